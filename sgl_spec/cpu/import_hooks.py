@@ -1,0 +1,120 @@
+"""A meta-path finder that supplies ``sgl_kernel`` and patches modules on import.
+
+* ``sgl_kernel``: when no real distribution provides it (the PyPI sglang-kernel is
+  CUDA-only), :mod:`sgl_spec.cpu.sgl_kernel_shim` is loaded under that name.
+* before ``torchvision`` executes: :func:`sgl_spec.cpu.torchvision_ops.ensure_ops`.
+* after the sglang host-pool modules execute: :mod:`sgl_spec.cpu.hicache` patches.
+* after ``sglang.lang.chat_template`` executes (every host): a matcher that gives
+  the default model's directory the ChatML template in the frontend language.
+
+Hooks run only when the named module is imported, so processes that never touch
+sglang pay nothing but this finder's dictionary look-ups.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from typing import Callable
+
+_Hook = Callable[[object], None]
+
+
+def _before_torchvision(_module) -> None:
+    from sgl_spec.cpu.torchvision_ops import ensure_ops
+
+    ensure_ops()
+
+
+def _after_pool_host_common(module) -> None:
+    from sgl_spec.cpu.hicache import patch_pool_host_common
+
+    patch_pool_host_common(module)
+
+
+def _after_pool_host_mha(module) -> None:
+    from sgl_spec.cpu.hicache import patch_pool_host_mha
+
+    patch_pool_host_mha(module)
+
+
+def _after_cache_controller(module) -> None:
+    from sgl_spec.cpu.hicache import patch_cache_controller
+
+    patch_cache_controller(module)
+
+
+def _after_chat_template(module) -> None:
+    from sgl_spec.chat_templates import register_frontend_matchers
+
+    register_frontend_matchers(module)
+
+
+# Hooks active on every host.
+BEFORE: dict[str, _Hook] = {}
+AFTER: dict[str, _Hook] = {"sglang.lang.chat_template": _after_chat_template}
+# Hooks active only on hosts without CUDA.
+_CPU_BEFORE: dict[str, _Hook] = {"torchvision": _before_torchvision}
+_CPU_AFTER: dict[str, _Hook] = {
+    "sglang.srt.mem_cache.pool_host.common": _after_pool_host_common,
+    "sglang.srt.mem_cache.pool_host.mha": _after_pool_host_mha,
+    "sglang.srt.managers.cache_controller": _after_cache_controller,
+}
+SHIM_NAME = "sgl_kernel"
+_shim_enabled = False
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, name: str):
+        self._inner = inner
+        self._name = name
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        if self._name in BEFORE:
+            BEFORE[self._name](module)
+        self._inner.exec_module(module)
+        if self._name in AFTER:
+            AFTER[self._name](module)
+
+    def __getattr__(self, item):  # get_code, get_source, is_package, ...
+        return getattr(self._inner, item)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == SHIM_NAME and _shim_enabled:
+            if importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+                return None  # a real sgl_kernel is installed: use it
+            shim = os.path.join(os.path.dirname(__file__), "sgl_kernel_shim.py")
+            return importlib.util.spec_from_file_location(fullname, shim)
+        if fullname not in BEFORE and fullname not in AFTER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookedLoader(spec.loader, fullname)
+        return spec
+
+
+def install(cpu: bool) -> None:
+    """Put the finder first on sys.meta_path (idempotent).
+
+    ``cpu``: also supply ``sgl_kernel`` and apply the CPU-only patches.
+    """
+    global _shim_enabled
+    if cpu:
+        _shim_enabled = True
+        BEFORE.update(_CPU_BEFORE)
+        AFTER.update(_CPU_AFTER)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def installed() -> bool:
+    return any(isinstance(f, _Finder) for f in sys.meta_path)
