@@ -47,6 +47,12 @@ def _after_cache_controller(module) -> None:
     patch_cache_controller(module)
 
 
+def _after_resolution_hooks(module) -> None:
+    from sgl_spec.cpu.hicache import register_cpu_hicache_defaults
+
+    register_cpu_hicache_defaults(module)
+
+
 def _after_chat_template(module) -> None:
     from sgl_spec.chat_templates import register_frontend_matchers
 
@@ -62,6 +68,7 @@ _CPU_AFTER: dict[str, _Hook] = {
     "sglang.srt.mem_cache.pool_host.common": _after_pool_host_common,
     "sglang.srt.mem_cache.pool_host.mha": _after_pool_host_mha,
     "sglang.srt.managers.cache_controller": _after_cache_controller,
+    "sglang.srt.arg_groups.resolution_hooks": _after_resolution_hooks,
 }
 SHIM_NAME = "sgl_kernel"
 _shim_enabled = False

@@ -1,0 +1,79 @@
+"""sgl_spec's own serving options (the ``--spec-*`` flags), as one frozen config.
+
+The launcher parses these flags, validates them here and hands the config to every
+sglang process through the environment (``SGL_SPEC_CONFIG``, JSON), since sglang's
+``ServerArgs`` is sealed and its scheduler runs in spawned processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sgl_spec import envs
+
+# Attention modes; later issues add sparse ones here (and nowhere else).
+MODES = ("exact",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What ``--spec-*`` selected. Immutable; validated on construction."""
+
+    mode: str = "exact"
+    disable: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(
+                f"--spec-mode {self.mode!r} is invalid; valid values: {', '.join(MODES)}"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SpecConfig":
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{envs.SGL_SPEC_CONFIG} has unknown keys {unknown}; valid keys: {sorted(known)}"
+            )
+        return cls(**data)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the ``--spec-*`` flags (sglang-style help, defaults shown)."""
+    group = parser.add_argument_group("sgl_spec options")
+    defaults = SpecConfig()
+    group.add_argument(
+        "--spec-mode",
+        type=str,
+        default=defaults.mode,
+        choices=MODES,
+        help="Decode attention mode. 'exact' is dense attention (the path every "
+        f"sparse mode falls back to). Default: {defaults.mode}.",
+    )
+    group.add_argument(
+        "--spec-disable",
+        action="store_true",
+        default=defaults.disable,
+        help="Serve with stock sglang components (torch_native attention on CPU, "
+        "sglang's default radix cache) for side-by-side comparison. Default: off.",
+    )
+
+
+def from_cli_args(args: argparse.Namespace) -> SpecConfig:
+    return SpecConfig(mode=args.spec_mode, disable=args.spec_disable)
+
+
+@lru_cache(maxsize=1)
+def current() -> SpecConfig:
+    """The config of this server process (defaults when launched without sgl_spec)."""
+    text = envs.spec_config_json()
+    return SpecConfig.from_json(text) if text else SpecConfig()

@@ -1,0 +1,123 @@
+"""``python -m sgl_spec.launch_server``: sglang's launch_server plus ``--spec-*`` flags.
+
+Every ``sglang.launch_server`` flag is accepted unchanged. sgl_spec's own flags are
+stripped and validated here, then handed to the scheduler processes through the
+environment. Defaults that differ from stock sglang (only where not given):
+
+* ``--model-path``: the default model, prepared once (see ``sgl_spec.prepare_model``);
+* ``--attention-backend sgl_spec`` and ``--radix-cache-backend sgl_spec``
+  (with ``--spec-disable``: stock components, torch_native attention on CPU);
+* on CPU hosts: ``--device cpu`` and ``--max-total-tokens 32768`` (stock sglang
+  sizes a 15 GB KV pool on these machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sgl_spec import config as spec_config
+from sgl_spec import envs
+from sgl_spec.plugin import NAME
+
+PROG = "python -m sgl_spec.launch_server"
+CPU_MAX_TOTAL_TOKENS = 32768
+
+
+def _given(argv: list[str], *options: str) -> bool:
+    return any(a in options or a.split("=", 1)[0] in options for a in argv)
+
+
+def _spec_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    spec_config.add_cli_args(parser)
+    return parser
+
+
+def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
+    """Separate ``--spec-*`` flags from sglang's; exits 2 on a bad ``--spec-*`` flag."""
+    parser = _spec_parser()
+    spec_args, rest = parser.parse_known_args(argv)
+    unknown = [a.split("=", 1)[0] for a in rest if a.startswith("--spec-")]
+    if unknown:
+        valid = sorted(
+            s for a in parser._actions for s in a.option_strings if s.startswith("--spec-")
+        )
+        parser.error(
+            f"unrecognized sgl_spec flag(s): {', '.join(unknown)}; valid: {', '.join(valid)}"
+        )
+    try:
+        cfg = spec_config.from_cli_args(spec_args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg, rest
+
+
+def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list[str]:
+    """sglang's argv with sgl_spec's defaults added where the user gave none."""
+    out = list(argv)
+    if not _given(out, "--model-path", "--model"):
+        from sgl_spec.prepare_model import prepare
+
+        out += ["--model-path", prepare()]
+    if cpu and not _given(out, "--device"):
+        out += ["--device", "cpu"]
+    if cpu and not _given(out, "--max-total-tokens"):
+        out += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    if not _given(out, "--attention-backend"):
+        if not cfg.disable:
+            out += ["--attention-backend", NAME]
+        elif cpu:
+            out += ["--attention-backend", "torch_native"]
+    if (
+        not cfg.disable
+        and not _given(out, "--radix-cache-backend")
+        and not _given(out, "--disable-radix-cache")
+    ):
+        out += ["--radix-cache-backend", NAME]
+    return out
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Launch an SGLang server with sgl_spec's cache and attention "
+        "backends. Accepts every sglang.launch_server flag plus the --spec-* flags.",
+    )
+    ServerArgs.add_cli_args(parser)
+    spec_config.add_cli_args(parser)
+    parser.print_help()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from sgl_spec.cpu.boot import cuda_host
+    from sgl_spec.plugin import register
+
+    if "-h" in argv or "--help" in argv:
+        register()
+        print_help()
+        return
+    cfg, rest = split_argv(argv)  # bad --spec-* flags fail before sglang loads
+    register()  # makes "sgl_spec" a valid --attention-backend choice
+    os.environ[envs.SGL_SPEC_CONFIG] = cfg.to_json()
+    rest = sglang_argv(cfg, rest, cpu=not cuda_host())
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(rest)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()
