@@ -1,0 +1,136 @@
+"""Start, wait for, measure and stop a real sglang server process.
+
+Shared by the test suite and the benchmarks: ``stock`` servers run
+``python -m sglang.launch_server``, sgl_spec servers ``python -m
+sgl_spec.launch_server``, both from this environment's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+STOCK = "sglang.launch_server"
+SPEC = "sgl_spec.launch_server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    """A server run as ``python -m <module> <args> --host 127.0.0.1 --port N``.
+
+    Use as a context manager; ``url`` is ready (``/health`` answered 200) inside.
+    The process group is killed on exit. ``peak_rss_bytes`` is the largest sum of
+    RSS over the server's process tree seen by a 0.5 s sampler.
+    """
+
+    module: str
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    log_path: str | None = None
+    env: dict[str, str] | None = None
+    timeout_s: float = 240.0
+    proc: subprocess.Popen | None = None
+    peak_rss_bytes: int = 0
+    _stop_sampler: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        if not self.port:
+            self.port = free_port()
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
+            os.close(fd)
+        cmd = [sys.executable, "-m", self.module, *self.args,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        env = dict(os.environ, **(self.env or {}))
+        with open(self.log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, stdin=subprocess.DEVNULL,
+            )
+        self._wait_healthy()
+        threading.Thread(target=self._sample_memory, daemon=True).start()
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.module} exited with code {self.proc.returncode} before "
+                    f"becoming healthy; log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(
+            f"{self.module} not healthy after {self.timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def _sample_memory(self) -> None:
+        import psutil
+
+        while not self._stop_sampler.wait(0.5):
+            try:
+                root = psutil.Process(self.proc.pid)
+                procs = [root, *root.children(recursive=True)]
+                rss = sum(p.memory_info().rss for p in procs if p.is_running())
+            except psutil.Error:
+                continue
+            self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+
+    def stop(self) -> None:
+        self._stop_sampler.set()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

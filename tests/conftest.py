@@ -1,0 +1,46 @@
+"""Shared fixtures: real sglang servers started once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
+
+# Flags both servers share, so that only the sgl_spec components differ.
+COMMON_FLAGS = ["--max-total-tokens", "32768"]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from sgl_spec.prepare_model import prepare
+
+    return prepare()
+
+
+def _log_path(tmp_path_factory, name: str) -> str:
+    return os.path.join(str(tmp_path_factory.mktemp("logs")), f"{name}.log")
+
+
+@pytest.fixture(scope="session")
+def spec_server(model_path, tmp_path_factory):
+    """sgl_spec.launch_server, exact mode, with the sgl_spec defaults."""
+    with ServerProcess(
+        SPEC,
+        ["--model-path", model_path, *COMMON_FLAGS],
+        log_path=_log_path(tmp_path_factory, "spec"),
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def stock_server(model_path, tmp_path_factory):
+    """Stock sglang.launch_server with torch_native attention (what CPU users run)."""
+    with ServerProcess(
+        STOCK,
+        ["--model-path", model_path, "--device", "cpu",
+         "--attention-backend", "torch_native", *COMMON_FLAGS],
+        log_path=_log_path(tmp_path_factory, "stock"),
+    ) as server:
+        yield server
