@@ -9,7 +9,7 @@ import pytest
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 
 # Flags both servers share, so that only the sgl_spec components differ.
-COMMON_FLAGS = ["--max-total-tokens", "32768"]
+COMMON_FLAGS = ["--max-total-tokens", "32768", "--enable-cache-report", "--sleep-on-idle"]
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,17 @@ class ServerStartError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the server when its parent dies (Linux prctl), so a
+    killed test run or benchmark leaves no server spinning on the CPU."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 @dataclass
 class ServerProcess:
     """A server run as ``python -m <module> <args> --host 127.0.0.1 --port N``.
@@ -79,6 +90,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
             )
         self._wait_healthy()
         threading.Thread(target=self._sample_memory, daemon=True).start()

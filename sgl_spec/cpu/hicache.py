@@ -8,20 +8,26 @@ device<->host transfer is one index copy per layer; the ``direct`` I/O backend w
 the ``layer_first`` host layout needs nothing else. The other I/O backends and
 layouts need CUDA kernels (``kernel``) or a page-major copy we do not supply.
 
-Every function here is called by :mod:`sgl_spec.cpu.import_hooks` right after the
-named sglang module executes, on CPU hosts only, with the module object. Each
-patch replaces one named attribute and says why in its docstring.
+:mod:`sgl_spec.cpu.import_hooks` calls the ``patch_*``/``register_*`` functions
+below right after the named sglang module executes, on CPU hosts only, with the
+module object; each says in its docstring what it replaces and why:
 
-The cache controller needs no patch: it takes its streams and events from
+* ``mem_cache.pool_host.common``: :func:`patch_pool_host_common` (allocation)
+* ``mem_cache.pool_host.base``: :func:`patch_pool_host_base` (RAM reserve)
+* ``mem_cache.pool_host.mha``: :func:`patch_pool_host_mha` (transfer ops)
+* ``managers.cache_controller``: :func:`patch_cache_controller` (a check only)
+* ``arg_groups.resolution_hooks``: :func:`register_cpu_hicache_defaults` (flags)
+
+The cache controller needs no replacement: it takes its streams and events from
 ``sglang.srt.utils.get_device_module()``, which is ``torch.cpu`` here, whose
 ``Stream``/``Event`` are no-ops (``Event.query()`` is always True). That is exact,
 not an approximation: on CPU every copy completes before ``submit_*`` returns.
-:func:`patch_cache_controller` asserts that this still holds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -34,7 +40,9 @@ CPU_MEM_LAYOUT = "layer_first"
 # are read as "not chosen" and replaced by the CPU pair.
 _STOCK_IO_BACKEND = "kernel"
 _STOCK_MEM_LAYOUT = "page_first"
-_VALID_FLAGS = f"--hicache-io-backend {CPU_IO_BACKEND} --hicache-mem-layout {CPU_MEM_LAYOUT}"
+_VALID_FLAGS = (
+    f"--hicache-io-backend {CPU_IO_BACKEND} --hicache-mem-layout {CPU_MEM_LAYOUT}"
+)
 
 # The names pool_host/mha.py binds from sgl_kernel.kvcacheio on CUDA/HIP/XPU.
 _MHA_KVCACHEIO_OPS = (
@@ -68,20 +76,24 @@ def resolve_cpu_hicache_io(io_backend: str, mem_layout: str) -> tuple[str, str]:
     """
     io = CPU_IO_BACKEND if io_backend == _STOCK_IO_BACKEND else io_backend
     layout = CPU_MEM_LAYOUT if mem_layout == _STOCK_MEM_LAYOUT else mem_layout
-    check_cpu_hicache_io(io, layout)
+    if (io, layout) != (CPU_IO_BACKEND, CPU_MEM_LAYOUT):
+        raise _unsupported(io_backend, mem_layout)
     return io, layout
 
 
-def check_cpu_hicache_io(io_backend: str, mem_layout: str) -> None:
+def check_cpu_hicache_io(io_backend: str, mem_layout: str, context: str = "") -> None:
     """Raise ``ValueError`` unless the pair is the one HiCache supports on CPU."""
     if (io_backend, mem_layout) != (CPU_IO_BACKEND, CPU_MEM_LAYOUT):
-        raise ValueError(
-            "HiCache on CPU supports only "
-            f"{_VALID_FLAGS} (the defaults on CPU); got --hicache-io-backend "
-            f"{io_backend} --hicache-mem-layout {mem_layout}. The 'kernel' and "
-            "'kernel_ascend' backends need CUDA/NPU kernels, and page-major host "
-            "layouts have no CPU copy."
-        )
+        raise _unsupported(io_backend, mem_layout, context)
+
+
+def _unsupported(io_backend: str, mem_layout: str, context: str = "") -> ValueError:
+    return ValueError(
+        f"HiCache on CPU supports only {_VALID_FLAGS} (the defaults on CPU); got "
+        f"--hicache-io-backend {io_backend} --hicache-mem-layout {mem_layout}"
+        f"{context}. The 'kernel' and 'kernel_ascend' backends need CUDA/NPU "
+        "kernels, and page-major host layouts have no CPU copy."
+    )
 
 
 def transfer_kv_direct(
@@ -142,6 +154,19 @@ def alloc_host_buffer_cpu(
     return allocator.allocate(dims, dtype=dtype, device=device)
 
 
+def cpu_host_memory_reserve_bytes(total_bytes: int) -> int:
+    """Host RAM HiCache leaves free on a CPU host: a tenth of RAM, at most 10 GiB.
+
+    sglang reserves a flat 10 GiB, sized for GPU servers with hundreds of GB of
+    RAM. On a CPU host the model and the device KV pool already live in that RAM
+    (and are counted as used when the host pool is sized), so a flat 10 GiB on a
+    24 GB machine refuses any host pool once other processes hold a few GB.
+    """
+    if total_bytes <= 0:
+        raise ValueError(f"total host memory must be positive, got {total_bytes}")
+    return min(10 * 1024**3, total_bytes // 10)
+
+
 def _unavailable_on_cpu(name: str) -> Callable[..., None]:
     def _raise(*args, **kwargs):
         raise RuntimeError(
@@ -174,6 +199,21 @@ def patch_pool_host_common(module) -> None:
     table = module.ALLOC_MEMORY_FUNCS
     table.default_factory = lambda: alloc_host_buffer_cpu
     table["cpu"] = alloc_host_buffer_cpu
+
+
+def patch_pool_host_base(module) -> None:
+    """Scale ``HICACHE_HOST_MEMORY_RESERVE_BYTES`` to this machine's RAM.
+
+    ``host_memory_budget_bytes`` (explicit sizing) and the auto-sizing in
+    ``hicache_auto_size`` subtract this module global, read at call time, from the
+    available host memory; see :func:`cpu_host_memory_reserve_bytes` for why the
+    stock 10 GiB is replaced on CPU hosts.
+    """
+    from sgl_spec.sglang_compat import check_version
+
+    check_version()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = cpu_host_memory_reserve_bytes(total)
 
 
 def patch_pool_host_mha(module) -> None:
@@ -258,4 +298,9 @@ def _resolve_hicache_on_cpu(server_args, previous) -> None:
             hicache_mem_layout=layout,
         )
     previous(server_args)
-    check_cpu_hicache_io(cfg.hicache_io_backend, cfg.hicache_mem_layout)
+    check_cpu_hicache_io(
+        cfg.hicache_io_backend,
+        cfg.hicache_mem_layout,
+        context=" after sglang's HiCache resolution (a storage backend such as "
+        "mooncake asks for a page-major layout)",
+    )

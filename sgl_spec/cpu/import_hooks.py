@@ -35,6 +35,12 @@ def _after_pool_host_common(module) -> None:
     patch_pool_host_common(module)
 
 
+def _after_pool_host_base(module) -> None:
+    from sgl_spec.cpu.hicache import patch_pool_host_base
+
+    patch_pool_host_base(module)
+
+
 def _after_pool_host_mha(module) -> None:
     from sgl_spec.cpu.hicache import patch_pool_host_mha
 
@@ -66,6 +72,7 @@ AFTER: dict[str, _Hook] = {"sglang.lang.chat_template": _after_chat_template}
 _CPU_BEFORE: dict[str, _Hook] = {"torchvision": _before_torchvision}
 _CPU_AFTER: dict[str, _Hook] = {
     "sglang.srt.mem_cache.pool_host.common": _after_pool_host_common,
+    "sglang.srt.mem_cache.pool_host.base": _after_pool_host_base,
     "sglang.srt.mem_cache.pool_host.mha": _after_pool_host_mha,
     "sglang.srt.managers.cache_controller": _after_cache_controller,
     "sglang.srt.arg_groups.resolution_hooks": _after_resolution_hooks,

