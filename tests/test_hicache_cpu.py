@@ -9,20 +9,14 @@ asserts that the re-request is served from the host with identical output.
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
+import requests
 import torch
 
+from sgl_spec.bench.server import STOCK, ServerProcess, tail
 from sgl_spec.cpu import boot
 from sgl_spec.cpu.hicache import (
     alloc_host_buffer_cpu,
@@ -84,13 +78,11 @@ def test_resolve_error_names_the_flags_as_given():
         resolve_cpu_hicache_io("kernel", "page_head")
 
 
-MODEL_DIR = Path.home() / ".cache" / "sgl_spec" / "models" / "SmolLM2-135M-Instruct"
-needs_model = pytest.mark.skipif(not MODEL_DIR.is_dir(), reason=f"no {MODEL_DIR}")
-_BASE_ARGS = ["--model-path", str(MODEL_DIR), "--device", "cpu"]
+def _base_args(model_path: str) -> list[str]:
+    return ["--model-path", model_path, "--device", "cpu"]
 
 
 @cpu_only
-@needs_model
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "expected"),
@@ -104,24 +96,23 @@ _BASE_ARGS = ["--model-path", str(MODEL_DIR), "--device", "cpu"]
     ],
     ids=["hicache-defaults", "hicache-direct-only", "hicache-off"],
 )
-def test_server_args_resolution_on_cpu(extra, expected):
+def test_server_args_resolution_on_cpu(extra, expected, model_path):
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.server_args import prepare_server_args
 
-    args = prepare_server_args(_BASE_ARGS + extra)
+    args = prepare_server_args(_base_args(model_path) + extra)
     args.resolve_once()
     fields = ("hicache_io_backend", "hicache_mem_layout")
     assert tuple(resolution_result(args, f) for f in fields) == expected
 
 
 @cpu_only
-@needs_model
 @pytest.mark.slow
-def test_server_args_resolution_rejects_page_head_on_cpu():
+def test_server_args_resolution_rejects_page_head_on_cpu(model_path):
     from sglang.srt.server_args import prepare_server_args
 
     hicache = ["--enable-hierarchical-cache", "--hicache-mem-layout", "page_head"]
-    args = prepare_server_args(_BASE_ARGS + hicache)
+    args = prepare_server_args(_base_args(model_path) + hicache)
     with pytest.raises(ValueError, match=VALID):
         args.resolve_once()
 
@@ -280,13 +271,6 @@ def test_host_pool_modules_are_patched():
 
 PROMPT_TOKENS = 1500
 MAX_NEW_TOKENS = 8
-HEALTH_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _docstrings(module) -> str:
@@ -314,53 +298,18 @@ def _generate(url: str, text: str) -> tuple[str, dict, float]:
         "text": text,
         "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
     }
-    req = urllib.request.Request(
-        f"{url}/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        out = json.loads(resp.read())
+    resp = requests.post(f"{url}/generate", json=body, timeout=300)
+    resp.raise_for_status()
+    out = resp.json()
     return out["text"], out["meta_info"], time.perf_counter() - start
 
 
-def _log_tail(log_path: Path, chars: int = 4000) -> str:
-    # sglang logs one "Ignore import error" line per model module it cannot load
-    # on CPU; they would crowd out the lines that say what went wrong.
-    lines = log_path.read_text(errors="replace").splitlines()
-    kept = [line for line in lines if "Ignore import error" not in line]
-    return "\n".join(kept)[-chars:]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    tail = _log_tail(log_path)
-    state = "timed out" if proc.poll() is None else f"exited with {proc.returncode}"
-    raise AssertionError(f"HiCache server {state} before /health; log tail:\n{tail}")
-
-
 @pytest.fixture
-def hicache_server(tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(MODEL_DIR),
+def hicache_server(model_path, tmp_path):
+    args = [
+        "--model-path", model_path,
         "--device", "cpu",
-        "--host", "127.0.0.1",
-        "--port", str(port),
         "--attention-backend", "torch_native",
         # Room for one 1500-token request: the next one evicts it to the host.
         "--max-total-tokens", "2048",
@@ -371,37 +320,21 @@ def hicache_server(tmp_path):
         "--enable-cache-report",
         "--sleep-on-idle",
     ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=tmp_path,
-            start_new_session=True,
-        )
-    try:
-        _wait_healthy(url, proc, log_path)
-        yield url, log_path
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+    with ServerProcess(STOCK, args, log_path=str(tmp_path / "server.log")) as server:
+        yield server
 
 
 @pytest.mark.server
 @pytest.mark.slow
 @cpu_only
-@needs_model
-def test_evicted_prompt_is_restored_from_host(hicache_server):
+def test_evicted_prompt_is_restored_from_host(hicache_server, model_path):
     import argparse
     import logging
 
     from transformers import AutoTokenizer
 
-    url, log_path = hicache_server
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    url, log_path = hicache_server.url, hicache_server.log_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     first_prompt = _chat_prompt(argparse, tokenizer)
     evicting_prompt = _chat_prompt(logging, tokenizer)
 
@@ -413,7 +346,7 @@ def test_evicted_prompt_is_restored_from_host(hicache_server):
     assert evict_meta["cached_tokens"] < 16, evict_meta
 
     again_text, again_meta, restore_s = _generate(url, first_prompt)
-    log_tail = _log_tail(log_path, 3000)
+    log_tail = tail(log_path)
     assert again_meta["cached_tokens"] > PROMPT_TOKENS // 2, (again_meta, log_tail)
     details = again_meta.get("cached_tokens_details") or {}
     assert details.get("host", 0) > PROMPT_TOKENS // 2, (again_meta, log_tail)

@@ -30,11 +30,14 @@ def free_port() -> int:
 
 
 def tail(path: str, lines: int = 40) -> str:
+    """The last lines of a server log, without sglang's per-model "Ignore import
+    error" lines (dozens on CPU) that would crowd out what went wrong."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+            kept = [line for line in f if "Ignore import error" not in line]
     except OSError:
         return "(no log)"
+    return "".join(kept[-lines:])
 
 
 class ServerStartError(RuntimeError):
@@ -42,12 +45,13 @@ class ServerStartError(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM the server when its parent dies (Linux prctl), so a
-    killed test run or benchmark leaves no server spinning on the CPU."""
+    """preexec_fn: SIGKILL the launcher when its parent dies (Linux prctl), so a
+    killed test run or benchmark leaves no server spinning on the CPU. sglang's
+    scheduler and detokenizer die with the launcher (they set the same signal)."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -132,14 +136,13 @@ class ServerProcess:
         self._stop_sampler.set()
         if self.proc is None or self.proc.poll() is not None:
             return
+        # SIGKILL the whole group: sglang's launcher can sit on SIGTERM for minutes
+        # with its scheduler already gone, and a server holds no state worth saving.
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+        self.proc.wait(timeout=30)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -1,0 +1,161 @@
+"""Scores for the benchmark workloads: short-answer QA and greedy agreement.
+
+* QA (``sgl_spec.bench.dataset``): the answer is the first non-empty line of the
+  model's reply; it is normalised as in SQuAD (lowercase, no punctuation, no
+  articles, single spaces) and scored by exact match (the gold tokens appear as a
+  contiguous run in it) and SQuAD token F1. ``accuracy`` aggregates per question
+  position and per question source, as LoopServe's Table 4 reports (Sec. 6.2.1).
+* Long generation (``sgl_spec.bench.longgen``): a candidate's output ids against
+  the reference (exact attention) ids, by tokens before the first divergence and
+  the share of positions that match.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sgl_spec.bench.dataset import POSITIONS, SOURCES, Turn
+from sgl_spec.bench.report import first_divergence
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize(text: str) -> str:
+    """SQuAD normalisation: lowercase, punctuation and articles removed, spaces collapsed."""
+    text = text.lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def extract_answer(prediction: str) -> str:
+    """The first non-empty line of ``prediction``, stripped ('' when there is none)."""
+    for line in prediction.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _contains(tokens: list[str], run: list[str]) -> bool:
+    n = len(run)
+    return any(tokens[i: i + n] == run for i in range(len(tokens) - n + 1))
+
+
+def exact_match(prediction: str, gold: str) -> bool:
+    """True when the normalised gold answer is, or appears as a contiguous token run
+    in, the normalised first line of ``prediction`` ("The code is 4817." matches
+    "4817"; "48170" does not)."""
+    pred = normalize(extract_answer(prediction)).split()
+    ref = normalize(gold).split()
+    if not ref:
+        return not pred
+    return _contains(pred, ref)
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """SQuAD token F1 between the normalised first line of ``prediction`` and ``gold``."""
+    pred = normalize(extract_answer(prediction)).split()
+    ref = normalize(gold).split()
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+class Agreement(NamedTuple):
+    """``prefix``: reference tokens reproduced before the first divergence;
+    ``share``: positions where both outputs hold the same token, over the longer length."""
+
+    prefix: int
+    share: float
+
+
+def greedy_agreement(reference_ids: Sequence[int], candidate_ids: Sequence[int]) -> Agreement:
+    """How far ``candidate_ids`` follows ``reference_ids`` (two greedy outputs for one
+    prompt). Both empty: ``(0, 1.0)``; a strict prefix diverges where it ends."""
+    pos = first_divergence(reference_ids, candidate_ids)
+    longest = max(len(reference_ids), len(candidate_ids))
+    if longest == 0:
+        return Agreement(0, 1.0)
+    same = sum(a == b for a, b in zip(reference_ids, candidate_ids))
+    return Agreement(len(reference_ids) if pos is None else pos, same / longest)
+
+
+@dataclass(frozen=True)
+class TurnScore:
+    """One answered QA turn. ``position``/``source`` as in ``dataset.Turn``."""
+
+    conversation: str
+    turn: int  # 0-based
+    position: str
+    source: str
+    prediction: str
+    answer: str
+    exact_match: bool
+    f1: float
+
+    def __post_init__(self) -> None:
+        if self.position not in POSITIONS or self.source not in SOURCES:
+            raise ValueError(f"position must be in {POSITIONS} and source in {SOURCES}, "
+                             f"got {self.position!r}, {self.source!r}")
+        if not 0.0 <= self.f1 <= 1.0:
+            raise ValueError(f"f1 must be in [0, 1], got {self.f1}")
+
+
+def score_turn(conversation: str, turn: Turn, prediction: str) -> TurnScore:
+    """Score the model's reply ``prediction`` to ``turn``."""
+    return TurnScore(
+        conversation=conversation, turn=turn.index, position=turn.position,
+        source=turn.source, prediction=prediction, answer=turn.answer,
+        exact_match=exact_match(prediction, turn.answer),
+        f1=token_f1(prediction, turn.answer),
+    )
+
+
+def _summary(scores: list[TurnScore]) -> dict:
+    n = len(scores)
+    return {
+        "n": n,
+        "exact_match": sum(s.exact_match for s in scores) / n if n else None,
+        "f1": sum(s.f1 for s in scores) / n if n else None,
+    }
+
+
+def accuracy(scores: Iterable[TurnScore]) -> dict:
+    """Mean exact match and F1 overall, by position, by source and by both
+    (``"middle/earlier_turn"``); only groups that occur are listed."""
+    scores = list(scores)
+
+    def by(keys, key) -> dict:
+        groups = {k: [s for s in scores if key(s) == k] for k in keys}
+        return {k: _summary(v) for k, v in groups.items() if v}
+
+    return {
+        "overall": _summary(scores),
+        "by_position": by(POSITIONS, lambda s: s.position),
+        "by_source": by(SOURCES, lambda s: s.source),
+        "by_position_source": by([f"{p}/{s}" for p in POSITIONS for s in SOURCES],
+                                 lambda s: f"{s.position}/{s.source}"),
+    }
+
+
+def agreement_summary(agreements: Sequence[Agreement]) -> dict:
+    """Counts and means over ``greedy_agreement`` results (one per prompt)."""
+    n = len(agreements)
+    if n == 0:
+        return {"n": 0, "identical": 0, "mean_prefix": None, "min_prefix": None,
+                "mean_share": None}
+    return {
+        "n": n,
+        "identical": sum(a.share == 1.0 for a in agreements),
+        "mean_prefix": sum(a.prefix for a in agreements) / n,
+        "min_prefix": min(a.prefix for a in agreements),
+        "mean_share": sum(a.share for a in agreements) / n,
+    }

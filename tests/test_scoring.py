@@ -1,0 +1,167 @@
+"""Scorers for the QA and long-generation workloads, on hand-computed examples."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_spec.bench import longgen, scoring
+from sgl_spec.bench.dataset import Fact, Turn
+from sgl_spec.bench.scoring import Agreement
+
+# --------------------------------------------------------------------------- normalisation
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("The Code is 4817.", "code is 4817"),
+    ("  A   falcon!  ", "falcon"),
+    ("an apple, the pear", "apple pear"),
+    ("4,817", "4817"),
+    ("Theatre", "theatre"),
+    ("", ""),
+], ids=["sentence", "article-and-spaces", "two-articles", "thousands-comma",
+        "article-inside-word", "empty"])
+def test_normalize(text, expect):
+    assert scoring.normalize(text) == expect
+
+
+@pytest.mark.parametrize("prediction, expect", [
+    ("4817", "4817"),
+    ("\n\n  4817  \nBecause the text says so.", "4817"),
+    ("falcon\nfalcon", "falcon"),
+    ("   \n", ""),
+], ids=["one-line", "leading-blank-lines", "first-of-two", "blank"])
+def test_extract_answer(prediction, expect):
+    assert scoring.extract_answer(prediction) == expect
+
+
+# --------------------------------------------------------------------------- exact match, F1
+
+
+@pytest.mark.parametrize("prediction, gold, expect", [
+    ("4817", "4817", True),
+    ("The secret code is 4817.", "4817", True),
+    ("Falcon", "falcon", True),
+    ("The password is \"falcon\".", "falcon", True),
+    ("4817\nor maybe 1234", "4817", True),
+    ("I think it is 1234.\nNo wait: 4817.", "4817", False),
+    ("48170", "4817", False),
+    ("falcons", "falcon", False),
+    ("", "4817", False),
+    ("blue lighthouse", "the blue lighthouse", True),
+    ("lighthouse blue", "blue lighthouse", False),
+], ids=["equal", "in-sentence", "case", "quoted", "first-line-only",
+        "answer-on-second-line", "longer-number", "plural", "empty", "multi-token",
+        "multi-token-order"])
+def test_exact_match(prediction, gold, expect):
+    assert scoring.exact_match(prediction, gold) is expect
+
+
+@pytest.mark.parametrize("prediction, gold, expect", [
+    ("4817", "4817", 1.0),
+    ("The code is 4817", "4817", 0.5),          # p=1/3, r=1: 2*(1/3)/(4/3)
+    ("blue lighthouse", "the red lighthouse", 0.5),  # p=1/2, r=1/2
+    ("1234", "4817", 0.0),
+    ("", "4817", 0.0),
+    ("", "", 1.0),
+    ("4817\nsomething else entirely", "4817", 1.0),
+    ("red red lighthouse", "red lighthouse", 0.8),  # p=2/3, r=1: 2*(2/3)/(5/3)
+], ids=["equal", "one-of-three", "half-half", "wrong", "empty-prediction", "both-empty",
+        "first-line-only", "repeated-token"])
+def test_token_f1(prediction, gold, expect):
+    assert scoring.token_f1(prediction, gold) == pytest.approx(expect)
+
+
+# --------------------------------------------------------------------------- greedy agreement
+
+
+@pytest.mark.parametrize("reference, candidate, expect", [
+    ([1, 2, 3, 4], [1, 2, 3, 4], Agreement(4, 1.0)),
+    ([1, 2, 3, 4], [9, 2, 3, 4], Agreement(0, 0.75)),
+    ([1, 2, 3, 4], [1, 2, 9, 9], Agreement(2, 0.5)),
+    ([1, 2, 3, 4], [1, 2], Agreement(2, 0.5)),
+    ([1, 2], [1, 2, 3, 4], Agreement(2, 0.5)),
+    ([], [], Agreement(0, 1.0)),
+    ([], [5], Agreement(0, 0.0)),
+    ([7, 8], [8, 7], Agreement(0, 0.0)),
+], ids=["identical", "diverge-at-0", "diverge-at-2", "candidate-shorter",
+        "candidate-longer", "both-empty", "reference-empty", "swapped"])
+def test_greedy_agreement(reference, candidate, expect):
+    got = scoring.greedy_agreement(reference, candidate)
+    assert got == expect
+    prefix, share = got  # unpacks as the (tokens_before_divergence, matching_share) pair
+    assert (prefix, share) == tuple(expect)
+
+
+def test_agreement_summary():
+    summary = scoring.agreement_summary([Agreement(4, 1.0), Agreement(0, 0.5), Agreement(2, 0.75)])
+    assert summary == {"n": 3, "identical": 1, "mean_prefix": 2.0, "min_prefix": 0,
+                       "mean_share": 0.75}
+    assert scoring.agreement_summary([])["mean_share"] is None
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def _turn(index: int, fact_turn: int, position: str, value: str) -> Turn:
+    fact = Fact(turn=fact_turn, colour="red", object=f"kite{fact_turn}", kind="number",
+                value=value)
+    own = index == fact_turn
+    return Turn(index=index, context="ctx " + fact.sentence, facts=(fact,) if own else (),
+                question=fact.question, position=position,
+                source="this_turn" if own else "earlier_turn",
+                fact=fact, answer=value, user_message=fact.question + "\n\nctx",
+                n_tokens=10)
+
+
+def test_score_turn_and_accuracy():
+    turns = [_turn(0, 0, "begin", "1111"), _turn(1, 1, "middle", "2222"),
+             _turn(2, 0, "end", "1111"), _turn(3, 1, "begin", "2222")]
+    replies = ["1111", "Code 2222.", "The code is 9999", "2222 or 1111"]
+    scores = [scoring.score_turn("c0", t, r) for t, r in zip(turns, replies)]
+    assert [s.exact_match for s in scores] == [True, True, False, True]
+    assert [s.f1 for s in scores] == pytest.approx([1.0, 2 / 3, 0.0, 0.5])
+    assert scores[2].source == "earlier_turn" and scores[2].answer == "1111"
+
+    acc = scoring.accuracy(scores)
+    assert acc["overall"]["n"] == 4
+    assert acc["overall"]["exact_match"] == pytest.approx(0.75)
+    assert list(acc["by_position"]) == ["begin", "middle", "end"]
+    assert acc["by_position"]["begin"] == {"n": 2, "exact_match": 1.0, "f1": pytest.approx(0.75)}
+    assert acc["by_position"]["end"]["exact_match"] == 0.0
+    assert acc["by_source"]["this_turn"]["exact_match"] == 1.0
+    assert acc["by_source"]["earlier_turn"]["exact_match"] == 0.5
+    assert set(acc["by_position_source"]) == {"begin/this_turn", "middle/this_turn",
+                                              "end/earlier_turn", "begin/earlier_turn"}
+
+
+def test_turn_score_validation():
+    with pytest.raises(ValueError, match="begin"):
+        scoring.TurnScore("c", 0, "top", "this_turn", "x", "x", True, 1.0)
+
+
+# --------------------------------------------------------------------------- long generation
+
+
+def test_longgen_prompts():
+    prompts = longgen.prompts("default")
+    assert prompts == longgen.prompts("default")
+    assert len({p.name for p in prompts}) == len(prompts) >= 6
+    assert all(1024 <= p.max_tokens <= 4096 for p in prompts)
+    assert {p.max_tokens for p in prompts} >= {1024, 4096}
+    assert [p.name for p in longgen.prompts("quick")] == ["animals", "long-division"]
+    assert any("List 300 different animals" in p.prompt for p in prompts)
+    work = prompts[0].to_workload()
+    assert work.name == "longgen-animals" and work.user_turns == (prompts[0].prompt,)
+    with pytest.raises(ValueError, match=r"\['default', 'quick'\]"):
+        longgen.prompts("long")
+
+
+@pytest.mark.parametrize("max_tokens", [512, 8192], ids=["too-short", "too-long"])
+def test_longgen_prompt_validation(max_tokens):
+    with pytest.raises(ValueError, match="1024, 4096"):
+        longgen.LongGenPrompt("x", "Write.", max_tokens)
+
+
+def test_longgen_score():
+    assert longgen.score([1, 2, 3], [1, 2, 4]) == Agreement(2, 2 / 3)
+    assert longgen.summarize([longgen.score([1], [1])])["identical"] == 1
