@@ -72,6 +72,13 @@ def assert_same_greedy(stock_url: str, prompt: str, stock: dict, spec: dict) -> 
     )
 
 
+def test_scheduler_sees_the_spec_config(spec_server):
+    with open(spec_server.log_path) as f:
+        log = f.read()
+    assert 'sgl_spec attention backend, config {"disable": false, "mode": "exact"}' in log
+    assert "impl=SpecRadixCache" in log
+
+
 def test_generate_answers_paris(spec_server):
     out = generate(spec_server.url, chatml(QUESTION))[0]
     assert "Paris" in out["text"]

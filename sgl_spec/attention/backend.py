@@ -117,6 +117,10 @@ class SpecAttnBackend(TorchNativeAttnBackend):
 
 def create_backend(runner: "ModelRunner"):
     """Factory registered under ``--attention-backend sgl_spec``."""
+    from sgl_spec.config import current
+
+    # Runs in the scheduler process: the --spec-* flags arrive through the env.
+    logger.info("sgl_spec attention backend, config %s", current().to_json())
     device = torch.device(runner.device)
     if device.type == "cuda":
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
