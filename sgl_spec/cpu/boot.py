@@ -13,7 +13,7 @@ from sgl_spec import envs
 
 
 def cuda_host() -> bool:
-    """True when an NVIDIA driver is present (or SGL_SPEC_PLATFORM=cuda)."""
+    """True when an NVIDIA driver is present (or SGLSPEC_PLATFORM=cuda)."""
     choice = envs.platform_override()
     if choice != "auto":
         return choice == "cuda"

@@ -1,0 +1,176 @@
+"""Server configurations compared side by side, kept as data (a TOML file).
+
+A configuration set names the rows of one evaluation run::
+
+    name = "baseline"
+    description = "..."              # optional
+
+    [[config]]
+    name = "sgl_spec exact"          # the row's label, unique in the set
+    launcher = "sgl_spec"            # "stock" or "sgl_spec" (see LAUNCHERS)
+    flags = ["--spec-mode", "exact"] # extra launch flags (optional)
+    reference = true                 # exactly one row: agreement is measured against it
+
+Later attention modes add rows (``loopserve B=512``) to such a file; the runner and
+the report take any number of rows. The harness owns ``--model-path``, ``--host``
+and ``--port`` and adds ``COMMON_FLAGS`` to every server.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from sgl_spec.bench.server import SPEC, STOCK
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
+
+# Flags every server gets, so that only a row's own flags differ between rows.
+COMMON_FLAGS: tuple[str, ...] = ("--max-total-tokens", "32768", "--enable-cache-report")
+# Flags the harness sets itself; a row may not.
+OWNED_FLAGS: tuple[str, ...] = ("--model-path", "--model", "--host", "--port")
+
+
+class Launcher(NamedTuple):
+    module: str
+    flags: tuple[str, ...]  # before the row's own flags
+
+
+LAUNCHERS: dict[str, Launcher] = {
+    # What CPU users of stock sglang run.
+    "stock": Launcher(STOCK, ("--device", "cpu", "--attention-backend", "torch_native")),
+    # sgl_spec's launcher adds its own CPU defaults.
+    "sgl_spec": Launcher(SPEC, ()),
+}
+
+SET_KEYS: tuple[str, ...] = ("name", "description", "config")
+CONFIG_KEYS: tuple[str, ...] = ("name", "launcher", "flags", "reference", "description")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One row: a server started as ``python -m <launcher module> <args>``."""
+
+    name: str
+    launcher: str
+    flags: tuple[str, ...] = ()
+    reference: bool = False
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"a configuration needs a non-empty name, got {self.name!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"configuration {self.name!r}: unknown launcher "
+                             f"{self.launcher!r}; valid: {sorted(LAUNCHERS)}")
+        if not all(isinstance(f, str) for f in self.flags):
+            raise ValueError(f"configuration {self.name!r}: flags must be strings, "
+                             f"got {list(self.flags)!r}")
+        owned = [f for f in self.flags if f.split("=", 1)[0] in OWNED_FLAGS]
+        if owned:
+            raise ValueError(f"configuration {self.name!r}: {owned} are set by the harness; "
+                             f"a row may not set any of {list(OWNED_FLAGS)}")
+        if not isinstance(self.reference, bool):
+            raise ValueError(f"configuration {self.name!r}: reference must be true or "
+                             f"false, got {self.reference!r}")
+
+    @property
+    def module(self) -> str:
+        return LAUNCHERS[self.launcher].module
+
+    def server_args(self, model: str) -> list[str]:
+        """The launcher's argv (without host and port)."""
+        return ["--model-path", model, *COMMON_FLAGS, *LAUNCHERS[self.launcher].flags,
+                *self.flags]
+
+    @property
+    def slug(self) -> str:
+        """The name as a file-name part: ``sgl_spec exact`` -> ``sgl_spec-exact``."""
+        keep = "".join(c if c.isalnum() or c in "._-" else "-" for c in self.name)
+        return "-".join(p for p in keep.split("-") if p)
+
+
+@dataclass(frozen=True)
+class ConfigSet:
+    name: str
+    configs: tuple[ServerConfig, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"a configuration set needs a non-empty name, got {self.name!r}")
+        if not self.configs:
+            raise ValueError(f"configuration set {self.name!r} has no [[config]] rows")
+        names = [c.name for c in self.configs]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"configuration set {self.name!r}: duplicate names {dups}")
+        slugs = [c.slug for c in self.configs]
+        if len(set(slugs)) != len(slugs):
+            raise ValueError(f"configuration set {self.name!r}: names {names} collide as "
+                             f"file names {slugs}")
+        refs = [c.name for c in self.configs if c.reference]
+        if len(refs) != 1:
+            raise ValueError(f"configuration set {self.name!r}: exactly one row must have "
+                             f"reference = true (exact attention), found {len(refs)}: {refs}")
+
+    @property
+    def reference(self) -> ServerConfig:
+        return next(c for c in self.configs if c.reference)
+
+
+def _check_keys(table: dict, valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(table) - set(valid))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys: {list(valid)}")
+
+
+def parse(doc: dict, source: str = "<configs>") -> ConfigSet:
+    """A ``ConfigSet`` from a parsed TOML document; ValueError names what is wrong."""
+    _check_keys(doc, SET_KEYS, source)
+    if "name" not in doc:
+        raise ValueError(f"{source}: missing top-level 'name'; valid keys: {list(SET_KEYS)}")
+    rows = doc.get("config", [])
+    if not isinstance(rows, list):
+        raise ValueError(f"{source}: 'config' must be an array of tables ([[config]])")
+    configs = []
+    for i, row in enumerate(rows):
+        where = f"{source}: [[config]] #{i + 1}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} must be a table")
+        _check_keys(row, CONFIG_KEYS, where)
+        for key in ("name", "launcher"):
+            if key not in row:
+                raise ValueError(f"{where}: missing {key!r}; valid keys: {list(CONFIG_KEYS)}")
+        flags = row.get("flags", [])
+        if not isinstance(flags, list):
+            raise ValueError(f"{where}: flags must be a list of strings, got {flags!r}")
+        try:
+            configs.append(ServerConfig(
+                name=row["name"], launcher=row["launcher"], flags=tuple(flags),
+                reference=row.get("reference", False),
+                description=row.get("description", ""),
+            ))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    try:
+        return ConfigSet(doc["name"], tuple(configs), doc.get("description", ""))
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def loads(text: str, source: str = "<configs>") -> ConfigSet:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{source}: not valid TOML: {exc}") from None
+    return parse(doc, source)
+
+
+def load(path: str = DEFAULT_PATH) -> ConfigSet:
+    with open(path, "rb") as f:
+        text = f.read().decode()
+    return loads(text, path)

@@ -1,0 +1,284 @@
+"""The evaluation runner without a server: configuration files, figures, tables, plots."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sgl_spec.bench import configset, plots, runner, summary, tables
+from sgl_spec.bench.__main__ import _parser
+from sgl_spec.bench.chat_client import TurnResult
+from sgl_spec.bench.dataset import DatasetConfig, generate
+
+# --------------------------------------------------------------------------- config files
+
+VALID = """
+name = "trio"
+[[config]]
+name = "stock"
+launcher = "stock"
+[[config]]
+name = "sgl_spec exact"
+launcher = "sgl_spec"
+flags = ["--spec-mode", "exact"]
+reference = true
+"""
+
+
+def test_builtin_baseline_has_the_two_rows():
+    sets = configset.load()
+    assert sets.name == "baseline"
+    assert [c.name for c in sets.configs] == ["stock", "sgl_spec exact"]
+    assert sets.reference.name == "sgl_spec exact"
+    stock, exact = sets.configs
+    assert stock.module == "sglang.launch_server"
+    assert exact.module == "sgl_spec.launch_server"
+    assert stock.server_args("/m") == ["--model-path", "/m", "--max-total-tokens", "32768",
+                                       "--enable-cache-report", "--device", "cpu",
+                                       "--attention-backend", "torch_native"]
+    assert exact.server_args("/m")[-2:] == ["--spec-mode", "exact"]
+    assert exact.slug == "sgl_spec-exact"
+
+
+def test_a_later_row_is_only_data():
+    text = VALID + '[[config]]\nname = "loopserve B=512"\nlauncher = "sgl_spec"\n' \
+                   'flags = ["--spec-mode", "loopserve"]\n'
+    sets = configset.loads(text)
+    assert [c.name for c in sets.configs][-1] == "loopserve B=512"
+    assert sets.configs[-1].slug == "loopserve-B-512"
+
+
+@pytest.mark.parametrize("text, match", [
+    (VALID.replace('name = "trio"', 'name = "trio"\ncolour = 1'),
+     r"unknown key\(s\) \['colour'\]; valid keys: \['name', 'description', 'config'\]"),
+    (VALID.replace('launcher = "stock"', 'launcher = "stock"\nflag = []'),
+     r"#1: unknown key\(s\) \['flag'\]; valid keys: \['name', 'launcher', 'flags'"),
+    (VALID.replace('name = "stock"\n', ""), r"#1: missing 'name'; valid keys: \['name'"),
+    (VALID.replace('name = "trio"\n', ""), r"missing top-level 'name'"),
+    (VALID.replace('"sgl_spec exact"', '"stock"'), r"duplicate names \['stock'\]"),
+    (VALID.replace("reference = true", ""), r"exactly one row .*found 0"),
+    (VALID.replace('launcher = "stock"', 'launcher = "stock"\nreference = true'),
+     r"exactly one row .*found 2: \['stock', 'sgl_spec exact'\]"),
+    (VALID.replace('launcher = "stock"', 'launcher = "vllm"'),
+     r"unknown launcher 'vllm'; valid: \['sgl_spec', 'stock'\]"),
+    (VALID.replace('["--spec-mode", "exact"]', '["--port", "1"]'), r"set by the harness"),
+    ('name = "empty"', r"no \[\[config\]\] rows"),
+    ("name = [", r"not valid TOML"),
+], ids=["unknown-set-key", "unknown-row-key", "row-without-name", "set-without-name",
+        "duplicate-names", "no-reference", "two-references", "unknown-launcher",
+        "owned-flag", "no-rows", "bad-toml"])
+def test_invalid_config_files(text, match):
+    with pytest.raises(ValueError, match=match):
+        configset.loads(text, "x.toml")
+
+
+def test_cli_help_and_bad_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "--concurrency" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text(VALID.replace("reference = true", ""))
+    from sgl_spec.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--configs", str(bad), "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert "exactly one row" in capsys.readouterr().err
+
+
+def test_run_plan_presets_and_validation():
+    quick = runner.RunPlan.preset(True)
+    assert quick.dataset == "quick" and quick.longgen_max_tokens == 256
+    assert [n for _, n in quick.longgen_items()] == [256]
+    with pytest.raises(ValueError, match="valid: .*animals"):
+        runner.RunPlan("quick", ("nope",), 256)
+    with pytest.raises(ValueError, match="concurrency"):
+        runner.RunPlan("quick", (), 256, concurrency=0)
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+@pytest.mark.parametrize("tokens, bucket", [
+    (0, "0-1k"), (1023, "0-1k"), (1024, "1k-2k"), (4095, "3k-4k"), (5000, "4k-6k"),
+    (6144, ">=6k"), (9000, ">=6k"),
+], ids=lambda x: str(x))
+def test_history_bucket(tokens, bucket):
+    assert summary.history_bucket(tokens) == bucket
+    assert bucket in summary.bucket_order()
+
+
+class WordTokenizer:
+    """Words, punctuation and whitespace runs as tokens: a deterministic stand-in."""
+
+    _PIECE = re.compile(r"\w+|[^\w\s]|\s+")
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self.inverse: list[str] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        for piece in self._PIECE.findall(text):
+            if piece not in self.vocab:
+                self.vocab[piece] = len(self.inverse)
+                self.inverse.append(piece)
+            ids.append(self.vocab[piece])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.inverse[i] for i in ids)
+
+
+DATA = DatasetConfig(seed=3, conversations=6, turns=(2, 3), tokens_per_turn=(300, 900),
+                     facts_per_turn=2)
+
+
+@pytest.fixture(scope="module")
+def convs():
+    return generate(DATA, WordTokenizer())
+
+
+def _results(convs, answer, ids=lambda conv, turn: (1, 2, 3), lg_ids=(5, 6, 7, 8)):
+    """Synthetic TurnResults: ``answer(turn)`` is the reply text; prompts grow by turn."""
+    out = []
+    for conv in convs:
+        history = 0
+        for t in conv.turns:
+            history += t.n_tokens + 40
+            out.append(TurnResult(
+                conversation=conv.name, turn=t.index + 1, ttft_s=0.001 * history,
+                latency_s=0.001 * history + 0.1, prompt_tokens=history,
+                cached_tokens=history - t.n_tokens - 40, output_tokens=3,
+                finish_reason="stop", text=answer(t), prompt_sha1="x",
+                output_ids=ids(conv, t), top_logprobs=((("a", -0.1), ("b", -3.0)),) * 3))
+    lg = [TurnResult("longgen-animals", 1, 0.2, 2.2, 30, 0, len(lg_ids), "length", "...",
+                     "y", lg_ids, ((("a", -0.1), ("b", -0.15)),) * len(lg_ids))]
+    return out, lg
+
+
+def test_accuracy_by_bucket(convs):
+    chat, _ = _results(convs, lambda t: t.answer if t.position == "end" else "no idea")
+    turns = summary.score_conversations(convs, chat)
+    by_pos = summary.accuracy_by(turns, lambda t: t.score.position, ("begin", "middle", "end"))
+    assert list(by_pos) == ["begin", "middle", "end"]
+    assert by_pos["end"]["overall"]["exact_match"] == 1.0
+    assert by_pos["begin"]["overall"]["exact_match"] == 0.0
+    assert by_pos["middle"]["overall"]["f1"] == 0.0
+    by_size = summary.accuracy_by(turns, lambda t: t.size)
+    assert sorted(by_size) == ["300", "900"]
+    assert sum(g["overall"]["n"] for g in by_size.values()) == len(turns)
+    by_hist = summary.accuracy_by(turns, lambda t: t.history, summary.bucket_order())
+    assert list(by_hist) == [b for b in summary.bucket_order() if b in by_hist]
+    e = summary.end_this_turn_short(turns)
+    short_end = [t for t in turns if t.result.prompt_tokens < summary.SHORT_HISTORY
+                 and t.score.position == "end" and t.score.source == "this_turn"]
+    assert e["n"] == len(short_end) > 0 and e["exact_match"] == 1.0
+    assert summary.end_this_turn_short(turns, max_history=1)["exact_match"] is None
+
+
+def test_speed_by_history(convs):
+    chat, _ = _results(convs, lambda t: t.answer)
+    speed = summary.speed_by_history(chat)
+    assert sum(s["n"] for s in speed.values()) == len(chat)
+    ttfts = [s["ttft_median_s"] for s in speed.values()]
+    assert ttfts == sorted(ttfts)  # synthetic TTFT grows with history
+    assert all(s["tpot_median_s"] == pytest.approx(0.05) for s in speed.values())
+
+
+def _three_rows(convs):
+    plan = runner.RunPlan("quick", ("animals",), 256)
+    ref_chat, ref_lg = _results(convs, lambda t: t.answer)
+    # "loopserve" loses begin-position questions and diverges on their tokens.
+    lossy = lambda t: "4" if t.position == "begin" else t.answer  # noqa: E731
+    lossy_ids = lambda c, t: (1, 9) if t.position == "begin" else (1, 2, 3)  # noqa: E731
+    ls_chat, ls_lg = _results(convs, lossy, lossy_ids, lg_ids=(5, 6, 0, 0))
+    runs = [
+        runner.ConfigRun("stock", None, {"peak_rss_bytes": 3 * 2**30, "start_s": 20.0},
+                         ref_chat, ref_lg),
+        runner.ConfigRun("sgl_spec exact", None, {"peak_rss_bytes": 2**31, "start_s": 21.0},
+                         ref_chat, ref_lg),
+        runner.ConfigRun("loopserve B=512", None, None, ls_chat, ls_lg),
+    ]
+    meta = {"configset": "trio", "started": "now", "model": "m", "dataset_preset": "custom",
+            "concurrency": 1, "duration_s": 60.0}
+    return runner.build_results(meta, DATA, convs, plan, runs, "sgl_spec exact")
+
+
+def test_results_figures(convs):
+    res = _three_rows(convs)
+    stock, exact, loop = res["configs"]
+    assert "agreement" not in exact
+    assert stock["agreement"]["chat"]["counts"]["identical"] == len(stock["turns"])
+    begins = sum(t["position"] == "begin" for t in loop["turns"])
+    counts = loop["agreement"]["chat"]["counts"]
+    assert counts["identical"] == len(loop["turns"]) - begins
+    assert loop["agreement"]["chat"]["tokens"]["min_prefix"] == 1
+    assert loop["agreement"]["longgen"]["tokens"]["mean_prefix"] == 2
+    assert loop["agreement"]["longgen"]["counts"]["near_tie_divergences"] == 1
+    assert loop["accuracy"]["by_position"]["begin"]["exact_match"] == 0.0
+    assert exact["accuracy"]["overall"]["exact_match"] == 1.0
+    assert res["dataset"]["stats"]["conversations"] == len(convs)
+    assert list(res["acceptance"]) == [
+        "stock: identical to sgl_spec exact",
+        "sgl_spec exact: end-position this-turn EM, history < 2048 tokens",
+        "loopserve B=512: identical to sgl_spec exact",
+    ]
+    assert res["acceptance"]["sgl_spec exact: end-position this-turn EM, history < 2048 tokens"] \
+        .endswith("PASS")
+
+
+def test_markdown_takes_a_third_row(convs):
+    md = tables.markdown(_three_rows(convs))
+    for heading in ("## Accuracy by query position", "## Greedy agreement with `sgl_spec exact`",
+                    "## Speed", "by history length", "## Dataset"):
+        assert heading in md
+    rows = [line for line in md.splitlines() if line.startswith("| loopserve B=512 |")]
+    # accuracy, position x source, size, history, agreement, speed
+    assert len(rows) == 6
+    size_row = next(r for r in md.splitlines() if r.startswith("| stock | ") and "(n=" in r
+                    and "n=15" not in r)
+    assert size_row.count("1.00 (1.00) n=") == 2  # one cell per size: 300 and 900
+    acc_row = next(r for r in md.splitlines() if r.startswith("| loopserve B=512 | 0."))
+    assert "| 0.00 (0.00) n=" in acc_row  # begin position lost
+    assert "| sgl_spec exact (reference) |" in md
+    assert "| stock | 1.00 (1.00)" in md
+    speed = next(r for r in md.splitlines() if r.startswith("| stock | ") and "3.00" in r)
+    assert "| 20.0 |" in speed
+
+
+def test_plots_written(convs, tmp_path):
+    paths = plots.write_plots(_three_rows(convs), str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in paths] == [plots.ACCURACY_PNG, plots.SPEED_PNG]
+    for p in paths:
+        with open(p, "rb") as f:
+            data = f.read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_write_results(convs, tmp_path):
+    import json
+
+    written = runner.write_results(_three_rows(convs), str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in written) == sorted(
+        ["results.json", "results.md", plots.ACCURACY_PNG, plots.SPEED_PNG])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [c["name"] for c in doc["configs"]] == ["stock", "sgl_spec exact", "loopserve B=512"]
+
+
+def test_a_server_that_does_not_come_up(monkeypatch, tmp_path):
+    """The run fails naming the configuration and showing the tail of its log."""
+    monkeypatch.setitem(configset.LAUNCHERS, "broken",
+                        configset.Launcher("sgl_spec.bench.no_such_launcher", ()))
+    cfg = configset.ServerConfig("broken row", "broken", ("--x",))
+    progress = runner._Progress(1)
+    with pytest.raises(runner.ServerStartError) as exc:
+        runner.run_config(cfg, "/m", runner.RunPlan.preset(True), [], 32, str(tmp_path),
+                          progress)
+    progress.close()
+    msg = str(exc.value)
+    assert msg.startswith("configuration 'broken row': the server did not come up.")
+    assert "No module named sgl_spec.bench.no_such_launcher" in msg
+    assert str(tmp_path / "server-broken-row.log") in msg
