@@ -9,28 +9,7 @@ import pytest
 
 from sgl_spec.bench import dataset
 from sgl_spec.bench.dataset import DatasetConfig, Fact
-
-
-class WordTokenizer:
-    """Words, punctuation and whitespace runs as tokens: a deterministic stand-in."""
-
-    _PIECE = re.compile(r"\w+|[^\w\s]|\s+")
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.inverse: list[str] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for piece in self._PIECE.findall(text):
-            if piece not in self.vocab:
-                self.vocab[piece] = len(self.inverse)
-                self.inverse.append(piece)
-            ids.append(self.vocab[piece])
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.inverse[i] for i in ids)
+from _tokenizers import WordTokenizer
 
 
 QUICK = DatasetConfig.preset("quick")
