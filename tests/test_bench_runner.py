@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from sgl_spec.bench import configset, plots, runner, summary, tables
 from sgl_spec.bench.__main__ import _parser
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.dataset import DatasetConfig, generate
+from _tokenizers import WordTokenizer
 
 # --------------------------------------------------------------------------- config files
 
@@ -108,28 +107,6 @@ def test_run_plan_presets_and_validation():
 def test_history_bucket(tokens, bucket):
     assert summary.history_bucket(tokens) == bucket
     assert bucket in summary.bucket_order()
-
-
-class WordTokenizer:
-    """Words, punctuation and whitespace runs as tokens: a deterministic stand-in."""
-
-    _PIECE = re.compile(r"\w+|[^\w\s]|\s+")
-
-    def __init__(self) -> None:
-        self.vocab: dict[str, int] = {}
-        self.inverse: list[str] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = []
-        for piece in self._PIECE.findall(text):
-            if piece not in self.vocab:
-                self.vocab[piece] = len(self.inverse)
-                self.inverse.append(piece)
-            ids.append(self.vocab[piece])
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.inverse[i] for i in ids)
 
 
 DATA = DatasetConfig(seed=3, conversations=6, turns=(2, 3), tokens_per_turn=(300, 900),

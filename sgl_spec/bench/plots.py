@@ -29,17 +29,18 @@ def plot_accuracy(configs: list[dict], path: str) -> str:
     plt = _pyplot()
     names = [c["name"] for c in configs]
     width = 0.8 / len(POSITIONS)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(names) + 2), 4))
     for i, pos in enumerate(POSITIONS):
         ys = [(c["accuracy"]["by_position"].get(pos) or {}).get("exact_match") or 0.0
               for c in configs]
         xs = [j + (i - (len(POSITIONS) - 1) / 2) * width for j in range(len(names))]
         ax.bar(xs, ys, width, label=f"question at {pos}")
     ax.set_xticks(range(len(names)), names, rotation=15 if len(names) > 3 else 0)
-    ax.set_ylim(0, 1.05)
+    ax.set_ylim(0, 1.2)  # room for the legend above the bars
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
     ax.set_ylabel("exact match")
     ax.set_title("Accuracy by query position")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper center", ncol=len(POSITIONS))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
