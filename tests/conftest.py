@@ -13,6 +13,22 @@ COMMON_FLAGS = ["--max-total-tokens", "32768", "--enable-cache-report", "--sleep
 
 
 @pytest.fixture(scope="session")
+def tok():
+    """A deterministic word-level stand-in for an HF tokenizer."""
+    from _tokenizers import WordTokenizer
+
+    return WordTokenizer()
+
+
+@pytest.fixture(scope="session")
+def hf_tok(model_path):
+    """The default model's real tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="session")
 def model_path() -> str:
     from sgl_spec.prepare_model import prepare
 

@@ -7,23 +7,6 @@ import pytest
 
 from sgl_spec.bench import corpus, report, workloads
 from sgl_spec.bench.chat_client import TurnResult
-from _tokenizers import WordTokenizer
-
-
-@pytest.fixture(scope="module")
-def tok() -> WordTokenizer:
-    return WordTokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    from sgl_spec.prepare_model import is_prepared, model_dir
-
-    if not is_prepared(model_dir()):
-        pytest.skip("default model not prepared (python -m sgl_spec.prepare_model)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir())
 
 
 def test_pool_is_prose_and_fixed():

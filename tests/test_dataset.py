@@ -9,29 +9,12 @@ import pytest
 
 from sgl_spec.bench import dataset
 from sgl_spec.bench.dataset import DatasetConfig, Fact
-from _tokenizers import WordTokenizer
 
 
 QUICK = DatasetConfig.preset("quick")
 # Small but with every shape feature: 2-4 turns, 3 facts per turn, all positions.
 SMALL = DatasetConfig(seed=5, conversations=6, turns=(2, 4), tokens_per_turn=(300, 600),
                       facts_per_turn=3)
-
-
-@pytest.fixture(scope="module")
-def tok() -> WordTokenizer:
-    return WordTokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    from sgl_spec.prepare_model import is_prepared, model_dir
-
-    if not is_prepared(model_dir()):
-        pytest.skip("default model not prepared (python -m sgl_spec.prepare_model)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir())
 
 
 @pytest.fixture(scope="module")
