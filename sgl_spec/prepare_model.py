@@ -85,9 +85,8 @@ def prepare(cache_dir: str | None = None, force: bool = False) -> str:
 
     steps.set_postfix_str("rebuilding as LlamaForCausalLM")
     config = loaded.config
-    for attr in ("quantization_config",):
-        if hasattr(config, attr):
-            delattr(config, attr)
+    if hasattr(config, "quantization_config"):  # weights are dequantized now
+        delattr(config, "quantization_config")
     config.torch_dtype = torch.bfloat16
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)

@@ -6,10 +6,12 @@ import os
 
 import pytest
 
+from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 
-# Flags both servers share, so that only the sgl_spec components differ.
-COMMON_FLAGS = ["--max-total-tokens", "32768", "--enable-cache-report", "--sleep-on-idle"]
+# Flags both servers share (the benchmarks' own), so that only the sgl_spec
+# components differ; idle schedulers sleep so two servers leave the 2 cores free.
+COMMON_FLAGS = [*configset.COMMON_FLAGS, "--sleep-on-idle"]
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +57,7 @@ def stock_server(model_path, tmp_path_factory):
     """Stock sglang.launch_server with torch_native attention (what CPU users run)."""
     with ServerProcess(
         STOCK,
-        ["--model-path", model_path, "--device", "cpu",
-         "--attention-backend", "torch_native", *COMMON_FLAGS],
+        ["--model-path", model_path, *configset.LAUNCHERS["stock"].flags, *COMMON_FLAGS],
         log_path=_log_path(tmp_path_factory, "stock"),
     ) as server:
         yield server

@@ -85,6 +85,7 @@ class SpecAttnBackend(TorchNativeAttnBackend):
         query = query.movedim(0, 1)  # [num_heads, num_new_tokens, head_dim]
         seq_lens_l = seq_lens.tolist()
         prefix_l = extend_prefix_lens.tolist()
+        windowed = sliding_window_size is not None and sliding_window_size > -1
         start_q = 0
         for i, (seq_len, prefix) in enumerate(zip(seq_lens_l, prefix_l)):
             q_len = seq_len - prefix
@@ -95,7 +96,6 @@ class SpecAttnBackend(TorchNativeAttnBackend):
             q = query[:, start_q:end_q, :].contiguous()
             if not (q.dtype == key.dtype == value.dtype):
                 key, value = key.to(q.dtype), value.to(q.dtype)
-            windowed = sliding_window_size is not None and sliding_window_size > -1
             if prefix == 0 and not windowed:
                 mask, is_causal = None, True  # exactly torch_native's call
             else:

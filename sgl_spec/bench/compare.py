@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass
 import requests
 
 from sgl_spec.bench import chat_client, provenance, report, serving, workloads
+from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 
 logger = logging.getLogger(__name__)
 
 # Flags both servers get, so that only sgl_spec's components differ.
-COMMON_FLAGS = ("--max-total-tokens", "32768", "--enable-cache-report")
-STOCK_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native")
 REQUIRED_TTFT_SPEEDUP = 5.0
 CHAT_WORKLOADS = ("doc_chat", "growing")
 
@@ -51,13 +50,15 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65534:
             raise ValueError(f"--port must be in 0..65534 (0: free ports), got {self.port}")
+        ServerConfig("--server-arg", "sgl_spec", flags=self.server_args)  # no --port etc.
         if self.near_tie_nats < 0:
             raise ValueError(f"--near-tie must be >= 0, got {self.near_tie_nats}")
 
 
 def _server_args(cfg: CompareConfig, stock: bool) -> list[str]:
-    args = ["--model-path", cfg.model, *COMMON_FLAGS, *cfg.server_args]
-    return args + list(STOCK_FLAGS) if stock else args
+    row = ServerConfig("stock" if stock else "sgl_spec", "stock" if stock else "sgl_spec",
+                       flags=cfg.server_args)
+    return row.server_args(cfg.model)
 
 
 def _flush_cache(url: str) -> None:

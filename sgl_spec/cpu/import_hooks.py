@@ -129,6 +129,3 @@ def install(cpu: bool) -> None:
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
-
-def installed() -> bool:
-    return any(isinstance(f, _Finder) for f in sys.meta_path)
