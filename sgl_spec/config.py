@@ -17,6 +17,8 @@ from sgl_spec import envs
 
 # Attention modes; later issues add sparse ones here (and nowhere else).
 MODES = ("exact",)
+# Radix-cache eviction orders (sgl_spec.cache.tree_core.EVICTION_POLICIES).
+CACHE_EVICTIONS = ("lru", "turn")
 
 
 @dataclass(frozen=True)
@@ -25,11 +27,17 @@ class SpecConfig:
 
     mode: str = "exact"
     disable: bool = False
+    cache_eviction: str = "lru"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(
                 f"--spec-mode {self.mode!r} is invalid; valid values: {', '.join(MODES)}"
+            )
+        if self.cache_eviction not in CACHE_EVICTIONS:
+            raise ValueError(
+                f"--spec-cache-eviction {self.cache_eviction!r} is invalid; valid "
+                f"values: {', '.join(CACHE_EVICTIONS)}"
             )
 
     def to_json(self) -> str:
@@ -60,6 +68,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         f"sparse mode falls back to). Default: {defaults.mode}.",
     )
     group.add_argument(
+        "--spec-cache-eviction",
+        type=str,
+        default=defaults.cache_eviction,
+        choices=CACHE_EVICTIONS,
+        help="Radix-cache eviction order. 'lru' is stock sglang's (identical "
+        "evictions); 'turn' evicts dead reasoning branches (finished turns' "
+        "reasoning the chat template drops from history) first, then the least "
+        "recently active conversations, oldest rounds first. "
+        f"Default: {defaults.cache_eviction}.",
+    )
+    group.add_argument(
         "--spec-disable",
         action="store_true",
         default=defaults.disable,
@@ -69,7 +88,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_cli_args(args: argparse.Namespace) -> SpecConfig:
-    return SpecConfig(mode=args.spec_mode, disable=args.spec_disable)
+    return SpecConfig(
+        mode=args.spec_mode,
+        disable=args.spec_disable,
+        cache_eviction=args.spec_cache_eviction,
+    )
 
 
 @lru_cache(maxsize=1)

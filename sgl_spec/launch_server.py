@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(rest)
+    if not cfg.disable:
+        from sgl_spec.cache.endpoint import add_route
+
+        add_route()
     try:
         run_server(server_args)
     finally:

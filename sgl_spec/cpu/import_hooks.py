@@ -6,6 +6,8 @@
 * after the sglang host-pool modules execute: :mod:`sgl_spec.cpu.hicache` patches.
 * after ``sglang.lang.chat_template`` executes (every host): a matcher that gives
   the default model's directory the ChatML template in the frontend language.
+* after sglang's scheduler ``internal_state`` module executes (every host): the
+  turn-aware cache summary joins the internal state (``GET /sgl_spec/cache``).
 
 Hooks run only when the named module is imported, so processes that never touch
 sglang pay nothing but this finder's dictionary look-ups.
@@ -67,7 +69,16 @@ def _after_chat_template(module) -> None:
 
 # Hooks active on every host.
 BEFORE: dict[str, _Hook] = {}
-AFTER: dict[str, _Hook] = {"sglang.lang.chat_template": _after_chat_template}
+def _after_internal_state(module) -> None:
+    from sgl_spec.cache.endpoint import patch_internal_state
+
+    patch_internal_state(module)
+
+
+AFTER: dict[str, _Hook] = {
+    "sglang.lang.chat_template": _after_chat_template,
+    "sglang.srt.managers.scheduler_components.internal_state": _after_internal_state,
+}
 # Hooks active only on hosts without CUDA.
 _CPU_BEFORE: dict[str, _Hook] = {"torchvision": _before_torchvision}
 _CPU_AFTER: dict[str, _Hook] = {

@@ -1,0 +1,285 @@
+"""The turn-aware radix tree: sglang's Python TreeCore with nodes cut at turns.
+
+Every node carries a :class:`NodeData` (``node.spec``): the turn it belongs to
+(:class:`~sgl_spec.cache.segment.TurnTag`: turn index, role, round index,
+reasoning or not), whether that turn is closed at the node's end, and a payload
+dict that later features fill per node (selected attention lines, host-resident
+round KV, compressed cross-layer KV).
+
+After each insert, the inserted path is cut at turn and reasoning boundaries so
+no node spans two. Those cuts are *soft*: stock sglang would not have made them.
+A soft boundary becomes hard as soon as stock would split there too (a branch,
+an insert or a match that ends at it). Under LRU eviction, a leaf whose
+boundary with its parent is soft is evicted together with that parent, so the
+tree frees exactly the tokens stock's coarser node would have: match lengths and
+evicted-token counts stay identical to the stock cache (tested side by side).
+
+With ``--spec-cache-eviction turn`` the eviction order is: leaves of finished
+turns' reasoning spans that the chat template drops from later history (dead
+branches: never matched again), then the least recently active conversations,
+oldest rounds first; locked nodes are never evicted (sglang's leaf sets already
+exclude them). Tokens freed are counted per rule.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from sgl_spec.cache.segment import Span, TurnTag
+from sgl_spec.cache.turn_format import TurnFormat
+from sgl_spec.sglang_compat import check_version
+
+check_version()
+
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import (  # noqa: E402
+    BASE_COMPONENT_TYPE,
+    UnifiedTreeCore,
+    get_and_increase_time_counter,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+logger = logging.getLogger(__name__)
+
+EVICTION_POLICIES = ("lru", "turn")
+RULES = ("dead_reasoning", "inactive_conversation", "lru")
+
+
+class NodeData:
+    """sgl_spec's per-node record. ``payloads`` belong to the node's tokens: on a
+    split, a payload with a ``split(offset) -> (upper, lower)`` method is divided,
+    any other stays with the lower part (the node that keeps its id)."""
+
+    __slots__ = ("tag", "soft", "close_off", "atime", "payloads")
+
+    def __init__(self):
+        self.tag: TurnTag | None = None
+        self.soft = False  # boundary with the parent exists only as a turn cut
+        # Offset in the node after which its turn is closed (0: closed before the
+        # node starts); None while the turn is open at the node's end.
+        self.close_off: int | None = None
+        self.atime = time.time()
+        self.payloads: dict | None = None
+
+
+def is_closed(node) -> bool:
+    """Whether the node's turn has ended at or before the node's end."""
+    return node.spec.close_off is not None
+
+
+class SpecTreeCore(UnifiedTreeCore):
+    """UnifiedTreeCore whose nodes never span two turns. Not thread-safe: like
+    the stock core, it is driven by the scheduler thread only."""
+
+    def __init__(self, params, components, fmt: TurnFormat | None, eviction: str):
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(
+                f"--spec-cache-eviction {eviction!r} is invalid; valid values: "
+                f"{', '.join(EVICTION_POLICIES)}"
+            )
+        self.fmt = fmt
+        self.turn_eviction = eviction == "turn"
+        self.freed_by_rule = {r: 0 for r in RULES}
+        self._cutting = False
+        super().__init__(params, components)
+        if self.turn_eviction:
+            from sgl_spec.cache.turn_eviction import TurnAwareStrategy
+
+            self.eviction_strategy = TurnAwareStrategy(self)
+
+    # ---- node records -------------------------------------------------------
+    def _new_node(self, priority: int = 0):
+        node = super()._new_node(priority)
+        node.spec = NodeData()
+        return node
+
+    def _touch_node(self, node):
+        super()._touch_node(node)
+        node.spec.atime = time.time()
+
+    def _split_node(self, key, child, split_len):
+        old_soft = child.spec.soft
+        new_node, action = super()._split_node(key, child, split_len)
+        data = new_node.spec
+        data.tag, data.soft, data.atime = child.spec.tag, old_soft, child.spec.atime
+        off = child.spec.close_off
+        data.close_off = off if off is not None and off <= split_len else None
+        child.spec.close_off = None if off is None else max(0, off - split_len)
+        payloads = child.spec.payloads
+        if payloads:
+            upper = {}
+            for name, p in list(payloads.items()):
+                if hasattr(p, "split"):
+                    upper[name], payloads[name] = p.split(split_len)
+            data.payloads = upper or None
+        child.spec.soft = self._cutting
+        if not self._cutting:
+            # Stock split: the lower part is a new node in stock too, with a fresh
+            # access time; the soft chain below it is the same stock node.
+            self._refresh_soft_chain(child)
+        return new_node, action
+
+    def _add_new_node(self, parent, key, value, *args, **kwargs):
+        # Stock splits where a second child branches off: the boundary is hard.
+        self.harden_below(parent)
+        return super()._add_new_node(parent, key, value, *args, **kwargs)
+
+    def _refresh_soft_chain(self, node) -> None:
+        t = node.last_access_time
+        while len(node.children) == 1:
+            (c,) = node.children.values()
+            if not c.spec.soft:
+                break
+            t += 1e-7
+            c.last_access_time = t
+            node = c
+
+    def harden_below(self, node) -> None:
+        """Stock would split at ``node``'s end: its soft children become hard, and
+        get the fresh access time stock gives the lower part of a split."""
+        for c in node.children.values():
+            if c.spec.soft:
+                c.spec.soft = False
+                c.last_access_time = get_and_increase_time_counter()
+                self._refresh_soft_chain(c)
+
+    # ---- turn cuts ----------------------------------------------------------
+    def cut_path(self, key: RadixKey, spans: list[Span]) -> list:
+        """Split the nodes on ``key``'s path at span boundaries and tag them.
+        Returns the split actions (HiCache bookkeeping) for the cache to apply."""
+        actions = []
+        node, pos, si, n = self.root_node, 0, 0, len(key)
+        while pos < n:
+            child = node.children.get(key.child_key_at(pos, self.page_size))
+            if child is None:
+                break
+            end = pos + len(child.key)
+            while spans[si].end <= pos:
+                si += 1
+            while spans[si].end < end:
+                boundary = spans[si].end
+                self._cutting = True
+                try:
+                    upper, action = self._split_node(child.key, child, boundary - pos)
+                finally:
+                    self._cutting = False
+                if action is not None:
+                    actions.append(action)
+                self._tag(upper, spans[si], boundary)
+                pos = boundary
+                si += 1
+            self._tag(child, spans[si], end)
+            node, pos = child, end
+        return actions
+
+    @staticmethod
+    def _tag(node, span: Span, node_end: int) -> None:
+        data = node.spec
+        data.tag = span.tag
+        closed = span.closed_at
+        data.close_off = (
+            max(0, closed - (node_end - len(node.key)))
+            if closed is not None and closed <= node_end
+            else None
+        )
+
+    # ---- stock-equivalence hooks -------------------------------------------
+    def _match_post_processor(self, params, value, *args, **kwargs):
+        visited = kwargs.get("last_visited_node_id")
+        if visited is not None:
+            node = self._node_arena.get(visited)
+            if node is not None:
+                self.harden_below(node)
+        return super()._match_post_processor(params, value, *args, **kwargs)
+
+    def match_full_device_prefix(self, key):
+        matched, node_id, pinned = super().match_full_device_prefix(key)
+        # Stock's deepest node also holds this node's soft continuation.
+        node = self._node_arena[node_id]
+        while len(node.children) == 1:
+            (c,) = node.children.values()
+            if not c.spec.soft or c.component_data[BASE_COMPONENT_TYPE].value is None:
+                break
+            pinned += len(c.key)
+            node = c
+        return matched, node_id, pinned
+
+    # ---- eviction ---------------------------------------------------------------
+    def evict_device_start(self, component_type, request_cnt):
+        if self.turn_eviction and component_type == BASE_COMPONENT_TYPE:
+            self.eviction_strategy.prepare()
+        super().evict_device_start(component_type, request_cnt)
+
+    def evict_device_leaf(self, node_id, is_write_back):
+        """Evict a leaf, then, in the same step, the nodes it forms one unit with:
+        under LRU the soft chain above it (stock's coarser node); under turn
+        eviction the rest of a dead reasoning branch. Doing it in one step keeps
+        the unit whole even when the allocator's target is reached mid-way."""
+        node = self.node_by_id(node_id)
+        rule = self.rule_of(node)
+        result = super().evict_device_leaf(node_id, is_write_back)
+        if result.backup_kv is not None:  # write-back: the cache backs it up first
+            return result
+        self.freed_by_rule[rule] += result.tracker.get(BASE_COMPONENT_TYPE, 0)
+        top = node
+        while True:
+            parent = top.parent
+            if parent is self.root_node or parent not in self.evictable_device_leaves:
+                break
+            if not (
+                self._continues_dead(top, parent, rule)
+                if self.turn_eviction
+                else top.spec.soft
+            ):
+                break
+            step = super().evict_device_leaf(parent.id, is_write_back)
+            if step.backup_kv is not None:  # cannot merge a pending backup
+                self._merge(result, step)
+                result.backup_kv = None
+                break
+            self.freed_by_rule[rule] += step.tracker.get(BASE_COMPONENT_TYPE, 0)
+            self._merge(result, step)
+            top = parent
+        full = self.components_by_type[BASE_COMPONENT_TYPE]
+        if top is not node and getattr(full, "is_evict_device_ongoing", False):
+            full._evict_device_last_node = top  # the walk resumes above the unit
+        return result
+
+    @staticmethod
+    def _merge(into, step) -> None:
+        """Move a step's frees, actions and counts into ``into`` (drains ``step``)."""
+        for name in ("device_frees", "host_frees"):
+            src, dst = getattr(step, name), getattr(into, name)
+            for ct, values in src.items():
+                dst.setdefault(ct, []).extend(values)
+            src.clear()
+        for ct, n in step.tracker.items():
+            into.tracker[ct] = into.tracker.get(ct, 0) + n
+        into.cache_actions.extend(step.cache_actions)
+        step.cache_actions.clear()
+        if hasattr(into, "unbacked_tokens"):
+            into.unbacked_tokens += step.unbacked_tokens
+
+    @staticmethod
+    def _continues_dead(node, parent, rule: str) -> bool:
+        """Under turn eviction, a dead branch is freed whole: from the leaf up to
+        the first node of its reasoning span, and no further."""
+        tag, ptag = node.spec.tag, parent.spec.tag
+        return (
+            rule == "dead_reasoning"
+            and tag is not None
+            and ptag is not None
+            and ptag.turn == tag.turn
+            and (ptag.reasoning or not tag.reasoning)
+        )
+
+    def rule_of(self, node) -> str:
+        if not self.turn_eviction:
+            return "lru"
+        return "dead_reasoning" if self.eviction_strategy.is_dead(node) else (
+            "inactive_conversation"
+        )
+

@@ -1,0 +1,217 @@
+"""The turn-aware radix cache, driven without a server.
+
+Property-based: random multi-turn workloads (shared system prompts, branching
+conversations, reasoning spans, evictions under a small pool, requests held open
+across others) run through stock sglang's UnifiedRadixCache (its default Rust
+tree core and its Python one) and sgl_spec's SpecRadixCache side by side. Under
+LRU, every match length and evicted-token count must be identical, and the turn
+invariants must hold after every operation.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _turn_cache import (
+    ASSISTANT, END_THINK, FMT, IM_END, IM_START, NL, THINK, Request, build, evict,
+    match, turn,
+)
+from sgl_spec.cache.segment import segment
+from sgl_spec.cache.tree_core import is_closed
+
+POOL = 420
+
+
+def render(history: list[tuple[str, list[int], list[int] | None]]) -> list[int]:
+    """The chat template: earlier assistant turns lose their reasoning."""
+    out = turn("system", [20 + history[0][1][0], 21]) if history else []
+    for role, content, _reasoning in history[1:]:
+        out += turn(role, content)
+    return out
+
+
+def check_turn_invariants(cache) -> None:
+    """No node spans two turns; tags equal a fresh segmentation of every leaf path;
+    device sizes sum to the cache's evictable + protected sizes."""
+    core = cache.tree_core
+    core.sanity_check([], [])
+    total = 0
+    stack = [(core.root_node, [])]
+    while stack:
+        node, path = stack.pop()
+        if node is not core.root_node:
+            path = path + [node]
+            total += len(node.key)
+        if not node.children and path:
+            tokens = [t for n in path for t in n.key.token_ids]
+            spans = segment(tokens, FMT)
+            pos = 0
+            for n in path:
+                end = pos + len(n.key)
+                inside = [s for s in spans if s.start < end and s.end > pos]
+                assert len(inside) == 1, f"node {n.id} [{pos},{end}) spans {inside}"
+                s = inside[0]
+                partial = tuple(tokens[s.start:end])
+                if s.tag.role is None and s.end == len(tokens) and any(
+                    p[: len(partial)] == partial and len(p) > len(partial)
+                    for _, p in FMT.openers
+                ):
+                    # The path ends inside an opener (its continuation was evicted):
+                    # the node keeps the role of the turn it was cut from.
+                    role = n.spec.tag.role
+                    assert FMT.opener_len(role) and dict(FMT.openers)[role][
+                        : len(partial)] == partial
+                    bump = 1 if role == "user" else 0
+                    assert n.spec.tag == s.tag._replace(role=role, round=s.tag.round + bump)
+                else:
+                    assert n.spec.tag == s.tag, (n.id, n.spec.tag, s.tag)
+                assert is_closed(n) == (s.closed_at is not None and end >= s.closed_at)
+                pos = end
+        stack.extend((c, path) for c in node.children.values())
+    assert total == cache.evictable_size() + cache.protected_size()
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("turn"), st.integers(0, 5), st.integers(0, 3),
+                  st.integers(1, 40), st.integers(1, 30), st.booleans(), st.booleans()),
+        st.tuples(st.just("evict"), st.integers(1, 200)),
+        st.tuples(st.just("match"), st.integers(0, 5), st.floats(0, 1)),
+        st.tuples(st.just("close"),),
+    ),
+    min_size=5,
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=OPS)
+def test_lru_matches_stock_step_by_step(ops):
+    caches = [build("stock", POOL), build("stock", POOL, tree_core="python"),
+              build("spec", POOL)]
+    convs: list[list] = []
+    opened: list[list[Request]] = []
+    for op in ops:
+        if op[0] == "turn":
+            _, ci, fork, n_user, n_out, reasoning, keep_open = op
+            if ci >= len(convs):
+                convs.append([("system", [ci % 2], None)])  # two shared system prompts
+                ci = len(convs) - 1
+            hist = convs[ci]
+            if fork and len(hist) > 2 * fork:  # branch off an earlier round
+                hist = hist[: len(hist) - 2 * fork]
+                convs.append(hist)
+            user = [30 + (ci * 7 + i) % 60 for i in range(n_user)]
+            prompt = render(hist + [("user", user, None)]) + [IM_START, ASSISTANT, NL]
+            answer = [100 + (len(hist) + i) % 50 for i in range(n_out)]
+            think = [200 + i % 30 for i in range(n_out)] if reasoning else None
+            output = ([THINK, *think, END_THINK] if think else []) + answer + [IM_END]
+            hist.extend([("user", user, None), ("assistant", answer, think)])
+            reqs = [Request(c, a, prompt, output) for c, a in caches]
+            results = [r.start() for r in reqs]
+            assert results[0] == results[1] == results[2], results
+            if results[0] is None:
+                continue
+            if keep_open and len(opened) < 2:
+                opened.append(reqs)
+            else:
+                assert len({r.finish() for r in reqs}) == 1
+        elif op[0] == "evict":
+            got = [evict(c, op[1]) for c, _ in caches]
+            assert got[0] == got[1] == got[2], got
+        elif op[0] == "match" and convs:
+            hist = convs[op[1] % len(convs)]
+            tokens = render(hist)
+            cut = int(len(tokens) * op[2])
+            got = [match(c, tokens[:cut])[0] for c, _ in caches]
+            assert got[0] == got[1] == got[2], got
+        elif op[0] == "close" and opened:
+            assert len({r.finish() for r in opened.pop(0)}) == 1
+        sizes = [(c.evictable_size(), c.protected_size()) for c, _ in caches]
+        assert sizes[0] == sizes[1] == sizes[2], sizes
+        check_turn_invariants(caches[2][0])
+    while opened:
+        assert len({r.finish() for r in opened.pop()}) == 1
+    for cache, _ in caches:
+        assert cache.protected_size() == 0  # lock counts balanced
+    core = caches[2][0].tree_core
+    stack = list(core.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        assert node.component_data[0].lock_ref == 0
+        stack.extend(node.children.values())
+
+
+# ---- turn-aware eviction ------------------------------------------------------
+
+
+def _chat(cache, alloc, sys_id: int, rounds: int, think: bool, base: int):
+    """Play ``rounds`` rounds of one conversation; each answer carries a reasoning
+    span the template drops from the next prompt (a dead branch per round)."""
+    hist = [("system", [sys_id], None)]
+    dead = 0
+    for r in range(rounds):
+        user = [base + r, base + r + 1, base + r + 2]
+        prompt = render(hist + [("user", user, None)]) + [IM_START, ASSISTANT, NL]
+        answer = [base + 40 + r, base + 41 + r]
+        reasoning = [base + 80 + i for i in range(6)] if think else None
+        output = ([THINK, *reasoning, END_THINK] if think else []) + answer + [IM_END]
+        req = Request(cache, alloc, prompt, output)
+        assert req.start() is not None
+        req.finish()
+        hist += [("user", user, None), ("assistant", answer, reasoning)]
+        if think:
+            dead += 8 + 3  # [THINK, 6 reasoning tokens, END_THINK] + answer + IM_END
+    return hist, dead
+
+
+def test_turn_eviction_frees_dead_reasoning_first():
+    cache, alloc = build("spec", 2000, eviction="turn")
+    _chat(cache, alloc, 0, rounds=1, think=False, base=300)  # an older, idle chat
+    _, dead = _chat(cache, alloc, 1, rounds=4, think=True, base=20)
+    s = cache.summary()
+    # Rounds 1-3 were re-rendered without their reasoning; round 4's will be.
+    assert sum(1 for b in s["branches"] if b["dead_reasoning"]) == 4
+    freed = evict(cache, 1)
+    assert freed == 11  # one whole dead branch, not the idle chat
+    assert cache.tree_core.freed_by_rule["dead_reasoning"] == 11
+    freed = evict(cache, dead - 11)
+    assert cache.tree_core.freed_by_rule == {
+        "dead_reasoning": dead, "inactive_conversation": 0, "lru": 0}
+    # Next: the least recently active conversation (the idle one), not the live one.
+    before = cache.summary()["totals"]["by_tier"]["device"]
+    evict(cache, 1)
+    after = cache.summary()
+    assert after["freed_tokens_by_rule"]["inactive_conversation"] == before - after[
+        "totals"]["by_tier"]["device"]
+    live = max(after["branches"], key=lambda b: b["tokens"])
+    assert [r["round"] for r in live["rounds"]] == [0, 1, 2, 3, 4]
+
+
+def test_turn_eviction_never_evicts_locked_nodes():
+    cache, alloc = build("spec", 2000, eviction="turn")
+    hist, _ = _chat(cache, alloc, 0, rounds=2, think=True, base=20)
+    tokens = render(hist)
+    matched, m = match(cache, tokens)
+    lock = cache.lock(m.last_device_node)
+    protected = cache.protected_size()
+    assert protected == matched > 0
+    evict(cache, 10_000)
+    assert match(cache, tokens)[0] == matched  # the locked path survived
+    assert cache.evictable_size() == 0
+    cache.unlock(lock)
+    assert cache.protected_size() == 0
+    evict(cache, 10_000)
+    assert cache.evictable_size() == 0 and match(cache, tokens)[0] == 0
+
+
+def test_lru_policy_counts_everything_as_lru():
+    cache, alloc = build("spec", 2000)
+    _chat(cache, alloc, 0, rounds=3, think=True, base=20)
+    total = cache.evictable_size()
+    assert evict(cache, 10_000) == total
+    assert cache.tree_core.freed_by_rule == {
+        "dead_reasoning": 0, "inactive_conversation": 0, "lru": total}
