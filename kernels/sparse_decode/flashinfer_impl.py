@@ -1,0 +1,262 @@
+"""Sparse decode on FlashInfer's paged decode kernel (CUDA only).
+
+Trick: page_size 1 and one "request" per (request, KV head) pair. The pool
+``k_buf [num_slots, Hkv, D]`` is viewed as ``[num_slots * Hkv, 1, 1, D]`` pages, so
+page ``slot * Hkv + h`` holds KV head h of one slot; pair (b, h) gets its own page
+list (its subset) and the G query heads of its group as query heads, with one KV
+head. FlashInfer then does exact softmax over each pair's list.
+
+``plan()`` does the host-side work once per batch: page counts, indptr, and the page
+ids of the sink and recent window (the same in every layer). ``run()`` per layer
+only scatters that layer's selected pages into the index buffer and launches.
+Because of that split, ``sel_len`` is fixed at ``plan()``: every layer's selection
+must have the same lengths (the policies guarantee it: a request's selection is
+``min(budget, recent_start - sink)`` long in every layer and head).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .common import check_inputs
+
+# Group sizes FlashInfer's CUDA-core decode kernel is compiled for; others go
+# through its tensor-core (prefill) kernel.
+_CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8)
+_WORKSPACE_BYTES = 128 << 20
+_workspaces: dict[torch.device, torch.Tensor] = {}
+
+
+def _import_flashinfer():
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "the flashinfer sparse-decode impl needs a CUDA GPU; valid impls "
+            "without one: torch, triton (TRITON_INTERPRET=1)"
+        )
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(
+            "the flashinfer sparse-decode impl needs the flashinfer package "
+            "(flashinfer-python, as pinned by sglang); valid impls without it: "
+            "torch, triton"
+        ) from exc
+    return flashinfer
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    if device not in _workspaces:
+        _workspaces[device] = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[device]
+
+
+class PagePlan(NamedTuple):
+    """Page lists of all (request, KV head) pairs, pair p = b * Hkv + h."""
+
+    indptr: torch.Tensor  # [B * Hkv + 1] int32
+    indices: torch.Tensor  # [nnz] int32 page ids slot * Hkv + h; selection filled per layer
+    sel_at: torch.Tensor  # [n] int64: entries of `indices` that hold selected pages
+    sel_b: torch.Tensor  # [n] int64: their request,
+    sel_h: torch.Tensor  # [n] int64: KV head,
+    sel_j: torch.Tensor  # [n] int64: column in sel_idx,
+    sel_rows: torch.Tensor  # [n] int64: req_to_token row.
+
+
+def build_pages(
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    sel_len: torch.Tensor,  # [B, Hkv] int64
+    recent_start: torch.Tensor,  # [B] int64
+    *,
+    sink: int,
+    num_kv_heads: int,
+) -> PagePlan:
+    """The layer-independent part of the page lists (pure torch, any device).
+
+    Each pair's list is its virtual list ``sink | selection | recent window``; the
+    selection entries hold a placeholder (the current token's page) until
+    ``fill_selected`` writes a layer's selection.
+    """
+    dev, hkv = seq_lens.device, num_kv_heads
+    bsz = len(seq_lens)
+    seq = seq_lens.long()
+    sink_end = seq.clamp(max=sink)  # [B]
+    recent = torch.maximum(recent_start.long(), sink_end)  # [B]
+    n_sel = sel_len.long()  # [B, Hkv]
+    counts = ((sink_end + seq - recent)[:, None] + n_sel).reshape(-1)  # [B * Hkv]
+    indptr = torch.zeros(bsz * hkv + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = counts.cumsum(0)
+    nnz = int(indptr[-1])  # host sync, once per batch
+
+    pair = torch.repeat_interleave(
+        torch.arange(bsz * hkv, device=dev), counts, output_size=nnz
+    )  # [nnz] pair of each entry
+    j = torch.arange(nnz, device=dev) - indptr[:-1].long()[pair]  # offset in its list
+    b, h = pair // hkv, pair % hkv
+    s_end = sink_end[b]
+    sel_end = s_end + n_sel.reshape(-1)[pair]
+    is_sel = (j >= s_end) & (j < sel_end)
+    pos = torch.where(j < s_end, j, recent[b] + (j - sel_end))
+    pos = torch.where(is_sel, seq[b] - 1, pos)
+    rows = req_pool_indices.long()[b]
+    indices = (req_to_token[rows, pos].long() * hkv + h).to(torch.int32)
+    sel_at = is_sel.nonzero().squeeze(1)
+    return PagePlan(
+        indptr, indices, sel_at, b[sel_at], h[sel_at], (j - s_end)[sel_at], rows[sel_at]
+    )
+
+
+def fill_selected(
+    pages: PagePlan,
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64
+    num_kv_heads: int,
+) -> None:
+    """Write one layer's selected pages into ``pages.indices`` (in place, no sync)."""
+    if len(pages.sel_at):
+        pos = sel_idx[pages.sel_b, pages.sel_h, pages.sel_j]
+        slots = req_to_token[pages.sel_rows, pos].long()
+        pages.indices[pages.sel_at] = (slots * num_kv_heads + pages.sel_h).to(torch.int32)
+
+
+class FlashInferSparseDecode:
+    """Plan once per batch, run once per layer. Not thread-safe; owns its buffers.
+
+    The workspace buffer (128 MiB, per device) is shared by all instances on a
+    device, as FlashInfer's wrappers share theirs; run one at a time per stream.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda", use_tensor_cores: bool | None = None):
+        self._fi = _import_flashinfer()
+        self.device = torch.device(device)
+        self._use_tensor_cores = use_tensor_cores
+        self._wrappers: dict[bool, object] = {}
+        self._planned = False
+
+    def _wrapper(self, tensor_cores: bool):
+        if tensor_cores not in self._wrappers:
+            self._wrappers[tensor_cores] = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                _workspace(self.device), "NHD", use_tensor_cores=tensor_cores
+            )
+        return self._wrappers[tensor_cores]
+
+    def plan(
+        self,
+        req_to_token: torch.Tensor,  # [max_reqs, max_context] int32, cuda
+        req_pool_indices: torch.Tensor,  # [B] int64, cuda
+        seq_lens: torch.Tensor,  # [B] int64, cuda
+        sel_len: torch.Tensor,  # [B, Hkv] int64, cuda; fixed for every layer's run()
+        recent_start: torch.Tensor,  # [B] int64, cuda
+        *,
+        sink: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of {num_kv_heads}")
+        bsz, hkv = len(seq_lens), num_kv_heads
+        group = num_q_heads // hkv
+        self._pages = build_pages(
+            req_to_token, req_pool_indices, seq_lens, sel_len, recent_start,
+            sink=sink, num_kv_heads=hkv,
+        )
+        self._tensor_cores = (
+            self._use_tensor_cores
+            if self._use_tensor_cores is not None
+            else group not in _CUDA_CORE_GROUPS
+        )
+        self._plan_args = (
+            self._pages.indptr,
+            self._pages.indices,
+            torch.ones(bsz * hkv, dtype=torch.int32, device=self.device),
+        )
+        self._plan_kwargs = dict(
+            num_qo_heads=group,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            page_size=1,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
+            sm_scale=scale,
+        )
+        wrapper = self._wrapper(self._tensor_cores)
+        wrapper.plan(*self._plan_args, **self._plan_kwargs)
+        # Without CUDA graphs the wrapper keeps a reference to our index tensor, so
+        # run() can update it in place; if a FlashInfer version copies it, re-plan.
+        self._aliased = getattr(wrapper, "_paged_kv_indices_buf", None) is self._pages.indices
+        self._req_to_token = req_to_token
+        self._shape = (bsz, num_q_heads, hkv, head_dim)
+        self._planned = True
+
+    def run(
+        self,
+        q: torch.Tensor,  # [B, Hq, D], q_dtype
+        k_buf: torch.Tensor,  # [num_slots, Hkv, D], kv_dtype, contiguous
+        v_buf: torch.Tensor,  # [num_slots, Hkv, D], kv_dtype, contiguous
+        sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64; lengths as planned
+        out: torch.Tensor | None = None,  # [B, Hq, D], q.dtype, written if given
+    ) -> torch.Tensor:  # [B, Hq, D], q.dtype
+        if not self._planned:
+            raise RuntimeError("FlashInferSparseDecode.run() before plan()")
+        bsz, hq, hkv, d = self._shape
+        if tuple(q.shape) != (bsz, hq, d):
+            raise ValueError(f"q {tuple(q.shape)} does not match the plan [{bsz}, {hq}, {d}]")
+        if k_buf.shape[1:] != (hkv, d) or v_buf.shape[1:] != (hkv, d):
+            raise ValueError(
+                f"k_buf {tuple(k_buf.shape)} / v_buf {tuple(v_buf.shape)} must be "
+                f"[slots, {hkv}, {d}] (FlashInfer needs equal K and V head dims)"
+            )
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+            raise ValueError("k_buf and v_buf must be contiguous to be viewed as pages")
+        fill_selected(self._pages, self._req_to_token, sel_idx, hkv)
+        wrapper = self._wrapper(self._tensor_cores)
+        if not self._aliased:
+            wrapper.plan(*self._plan_args, **self._plan_kwargs)
+        group = hq // hkv
+        pages_k = k_buf.view(-1, 1, 1, d)  # [num_slots * Hkv, page 1, 1 head, D]
+        pages_v = v_buf.view(-1, 1, 1, d)
+        q_pairs = q.reshape(bsz * hkv, group, d)
+        if out is not None and (tuple(out.shape) != (bsz, hq, d) or not out.is_contiguous()):
+            raise ValueError(f"out {tuple(out.shape)} must be a contiguous [{bsz}, {hq}, {d}]")
+        o = wrapper.run(
+            q_pairs,
+            (pages_k, pages_v),
+            out=None if out is None else out.view(bsz * hkv, group, d),
+        )  # [B * Hkv, G, D]
+        return o.view(bsz, hq, d) if out is None else out
+
+
+def sparse_decode_flashinfer(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
+    sel_len: torch.Tensor,  # [B, Hkv] int64
+    recent_start: torch.Tensor,  # [B] int64
+    *,
+    sink: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [B, Hq, D], q.dtype
+    """One-shot plan + run; a serving loop keeps a ``FlashInferSparseDecode`` instead."""
+    dims = check_inputs(
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
+        sel_idx, sel_len, recent_start, sink,
+    )
+    runner = FlashInferSparseDecode(q.device)
+    runner.plan(
+        req_to_token, req_pool_indices, seq_lens, sel_len, recent_start,
+        sink=sink, num_q_heads=dims.num_q_heads, num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim, scale=scale, q_dtype=q.dtype, kv_dtype=k_buf.dtype,
+    )
+    return runner.run(q, k_buf, v_buf, sel_idx, out=out)

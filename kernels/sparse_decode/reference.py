@@ -1,0 +1,50 @@
+"""Dense reference for sparse decode: slow, explicit, obviously right.
+
+Per request and KV head it lists the attended positions in Python (asserting the
+subset contract of ``common``), maps them to pool slots, and runs plain softmax
+attention in float64 for the query heads of that KV head's group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_inputs, subset_positions
+
+
+def sparse_decode_reference(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
+    sel_len: torch.Tensor,  # [B, Hkv] int64
+    recent_start: torch.Tensor,  # [B] int64
+    *,
+    sink: int,
+    scale: float,
+) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
+    dims = check_inputs(
+        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
+        sel_idx, sel_len, recent_start, sink,
+    )
+    g = dims.group
+    out = torch.empty(dims.batch, dims.num_q_heads, dims.v_head_dim, dtype=torch.float64)
+    for b in range(dims.batch):
+        n = int(seq_lens[b])
+        row = req_to_token[int(req_pool_indices[b])]
+        for h in range(dims.num_kv_heads):
+            m = int(sel_len[b, h])
+            if not 0 <= m <= dims.max_sel:
+                raise AssertionError(f"sel_len[{b}, {h}] = {m} not in [0, {dims.max_sel}]")
+            sel = [int(p) for p in sel_idx[b, h, :m]]
+            pos = subset_positions(n, int(recent_start[b]), sink, sel)
+            slots = torch.tensor([int(row[p]) for p in pos], dtype=torch.long)
+            k = k_buf[slots.to(k_buf.device), h].double().cpu()  # [L, D]
+            v = v_buf[slots.to(v_buf.device), h].double().cpu()  # [L, Dv]
+            qh = q[b, h * g : (h + 1) * g].double().cpu()  # [G, D]
+            p = torch.softmax(qh @ k.T * scale, dim=-1)  # [G, L]
+            out[b, h * g : (h + 1) * g] = p @ v
+    return out.to(device=q.device, dtype=q.dtype)

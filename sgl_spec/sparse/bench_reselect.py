@@ -1,0 +1,133 @@
+"""Micro-benchmark: one LoopServe reselection vs the n_d dense decode steps it covers.
+
+    python -m sgl_spec.sparse.bench_reselect [--seq-len 7000] [--json out.json]
+
+Per layer, a reselection scores the history with the ring of n_d queries in one
+batched pass (``score_history``) and takes the top-B per KV head; the baseline is
+n_d dense decode steps of one query (SDPA, GQA). Both are timed twice: on
+contiguous K/V, and including the gather from a scattered KV pool through the
+request's slot list (what the serving path pays); the dense baseline gets K/V in
+SDPA's preferred [Hkv, N, D] layout. Reports medians and the ratio
+reselect / (n_d x dense step); below 1 means reselection is cheaper.
+Not a test; CPU by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .scoring import score_history, select_topk
+
+
+def _median_s(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(
+    seq_len: int, nd: int, budget: int, num_q_heads: int, num_kv_heads: int,
+    head_dim: int, dtype: torch.dtype, repeats: int, sink: int = 4, window: int = 64,
+) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    scale = head_dim**-0.5
+    pool = seq_len * 2
+    k_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(pool, generator=gen)[:seq_len]  # the request's slot list
+    k = k_buf[slots]  # [N, Hkv, D]: the layout score_history takes
+    kd = k_buf[slots].transpose(0, 1)[None].contiguous()  # [1, Hkv, N, D]: SDPA's best
+    vd = v_buf[slots].transpose(0, 1)[None].contiguous()
+    ring = torch.randn(nd, num_q_heads, head_dim, generator=gen).to(dtype)
+    q_pos = torch.arange(seq_len - nd, seq_len)
+    q1 = torch.randn(1, num_q_heads, 1, head_dim, generator=gen).to(dtype)
+
+    def reselect(keys):
+        scores = score_history(ring, keys, scale, q_pos)
+        return select_topk(scores, budget, sink, seq_len - window)
+
+    def dense_step(kk, vv):  # [1, Hkv, N, D] each
+        return F.scaled_dot_product_attention(q1, kk, vv, scale=scale, enable_gqa=True)
+
+    def gather_hnd(buf):  # pool -> [1, Hkv, N, D], as a dense step would lay it out
+        return buf.index_select(0, slots).transpose(0, 1)[None].contiguous()
+
+    rows = {}
+    with torch.inference_mode():
+        for label, sel_fn, dense_fn in (
+            ("K/V laid out", lambda: reselect(k), lambda: dense_step(kd, vd)),
+            (
+                "gather from pool",
+                lambda: reselect(k_buf.index_select(0, slots)),
+                lambda: dense_step(gather_hnd(k_buf), gather_hnd(v_buf)),
+            ),
+        ):
+            t_sel = _median_s(sel_fn, repeats)
+            t_dense = _median_s(dense_fn, repeats)
+            rows[label] = {
+                "reselect_ms": t_sel * 1e3,
+                "dense_step_ms": t_dense * 1e3,
+                "nd_dense_steps_ms": nd * t_dense * 1e3,
+                "ratio": t_sel / (nd * t_dense),
+            }
+    return {
+        "config": {
+            "seq_len": seq_len, "nd": nd, "budget": budget, "num_q_heads": num_q_heads,
+            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype),
+            "repeats": repeats, "threads": torch.get_num_threads(),
+        },
+        "per_layer": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-len", type=int, default=7000)
+    ap.add_argument("--nd", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--num-q-heads", type=int, default=9)
+    ap.add_argument("--num-kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: stable medians on a shared machine)",
+    )
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res = run(
+        args.seq_len, args.nd, args.budget, args.num_q_heads, args.num_kv_heads,
+        args.head_dim, getattr(torch, args.dtype), args.repeats,
+    )
+    c = res["config"]
+    print(
+        f"N={c['seq_len']} nd={c['nd']} B={c['budget']} heads {c['num_q_heads']}/"
+        f"{c['num_kv_heads']} D={c['head_dim']} {c['dtype']} threads={c['threads']} "
+        f"(medians of {c['repeats']}, one layer)"
+    )
+    print(f"{'':18} {'reselect ms':>12} {'dense step ms':>14} {'nd steps ms':>12} {'ratio':>7}")
+    for label, r in res["per_layer"].items():
+        print(
+            f"{label:18} {r['reselect_ms']:12.3f} {r['dense_step_ms']:14.3f} "
+            f"{r['nd_dense_steps_ms']:12.3f} {r['ratio']:7.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

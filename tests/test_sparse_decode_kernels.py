@@ -1,0 +1,337 @@
+"""Sparse decode kernels vs the per-head reference, and the reference vs dense attention.
+
+Error metric: ``rel_err(a, ref) = max|a - ref| / max|ref|`` (max-norm relative error);
+bounds 1e-3 in fp32, 2e-2 in bf16. Unused pool slots and unused req_to_token entries
+are NaN-poisoned, so a kernel that reads a slot outside its subset returns NaN and
+fails. The Triton kernel runs under TRITON_INTERPRET=1 on CPU hosts (set below, before
+the kernel module can be imported; a module imported earlier without it is reloaded).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Read by triton.jit when triton_impl is imported: must precede that import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sgl_spec.kernels.sparse_decode import IMPLS, sparse_decode  # noqa: E402
+from sgl_spec.kernels.sparse_decode.flashinfer_impl import (  # noqa: E402
+    build_pages,
+    fill_selected,
+)
+from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference  # noqa: E402
+
+TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double().cpu(), ref.double().cpu()
+    return float((a - ref).abs().max() / ref.abs().max())
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    group: int  # query heads per KV head
+    num_kv_heads: int
+    seq_lens: tuple[int, ...]
+    sink: int
+    window: int  # request b's window is window + 3 * b (ragged)
+    budget: int
+    ragged_heads: bool = False  # KV head h selects budget - 2h (ragged sel_len)
+    head_dim: int = 32
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CASES = [
+    Case("gqa1-B16-s4-w8", 1, 2, (40, 73), 4, 8, 16),
+    Case("gqa2-B24-s4-w8", 2, 2, (61, 90), 4, 8, 24),
+    Case("gqa3-default-heads-D64", 3, 3, (100, 37, 129), 4, 16, 32, head_dim=64),
+    Case("gqa4-B8-s2-w4", 4, 1, (50,), 2, 4, 8),
+    Case("gqa3-ragged-heads", 3, 3, (80, 45), 4, 8, 12, ragged_heads=True),
+    Case("empty-selection", 2, 2, (64, 33), 4, 8, 0),
+    Case("sink0", 3, 2, (70, 52), 0, 8, 16),
+    Case("short-requests", 2, 2, (3, 1, 9), 4, 8, 16),  # sink/window cover everything
+]
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_buf: torch.Tensor
+    v_buf: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    sel_idx: torch.Tensor
+    sel_len: torch.Tensor
+    recent_start: torch.Tensor
+    sink: int
+    scale: float
+    dense_k: list[torch.Tensor]  # per request [seq_len, Hkv, D], unpooled copies
+    dense_v: list[torch.Tensor]
+
+    def args(self):
+        return (
+            self.q, self.k_buf, self.v_buf, self.req_to_token, self.req_pool_indices,
+            self.seq_lens, self.sel_idx, self.sel_len, self.recent_start,
+        )
+
+    def to(self, device) -> Batch:
+        moved = {
+            f: getattr(self, f).to(device)
+            for f in ("q", "k_buf", "v_buf", "req_to_token", "req_pool_indices",
+                      "seq_lens", "sel_idx", "sel_len", "recent_start")
+        }
+        return Batch(**moved, sink=self.sink, scale=self.scale,
+                     dense_k=self.dense_k, dense_v=self.dense_v)
+
+
+def make_batch(
+    case: Case,
+    dtype: torch.dtype,
+    seed: int = 0,
+    select_all: bool = False,
+    layer: int = 0,
+) -> Batch:
+    """A pool with scattered, NaN-poisoned slots and a random valid subset per head.
+
+    ``seed`` fixes the layout (slots, rows, windows); ``layer`` the values and the
+    selection, so batches that differ only in ``layer`` look like two layers of one
+    batch. ``select_all``: the selection is every position between sink and window,
+    so the subset is the whole history.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    vals = torch.Generator().manual_seed(1000 * seed + layer + 1)
+    hkv, d = case.num_kv_heads, case.head_dim
+    bsz, total = len(case.seq_lens), sum(case.seq_lens)
+    num_slots = total + 17  # unused slots stay NaN
+    perm = torch.randperm(num_slots, generator=gen)
+    k_buf = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype)
+    v_buf = torch.full((num_slots, hkv, d), float("nan"), dtype=dtype)
+    poison = int(perm[-1])  # a NaN slot for every unused req_to_token entry
+    max_ctx = max(case.seq_lens) + 5
+    req_to_token = torch.full((bsz + 3, max_ctx), poison, dtype=torch.int32)
+    rows = torch.randperm(bsz + 3, generator=gen)[:bsz]
+
+    dense_k, dense_v, recent, sels = [], [], [], []
+    used = 0
+    for b, n in enumerate(case.seq_lens):
+        slots = perm[used : used + n]
+        used += n
+        k = torch.randn(n, hkv, d, generator=vals).to(dtype)
+        v = torch.randn(n, hkv, d, generator=vals).to(dtype)
+        k_buf[slots], v_buf[slots] = k, v
+        req_to_token[rows[b], :n] = slots.to(torch.int32)
+        dense_k.append(k)
+        dense_v.append(v)
+        r = max(0, n - case.window - 3 * b)
+        recent.append(r)
+        sink_end = min(case.sink, n)
+        lo, hi = sink_end, max(r, sink_end)
+        per_head = []
+        for h in range(hkv):
+            if select_all:
+                per_head.append(torch.arange(lo, hi))
+                continue
+            want = max(0, case.budget - (2 * h if case.ragged_heads else 0))
+            cand = torch.arange(lo, hi)
+            pick = torch.randperm(len(cand), generator=vals)[: min(want, len(cand))]
+            per_head.append(cand[pick])  # unsorted on purpose
+        sels.append(per_head)
+
+    max_sel = max([len(s) for per_head in sels for s in per_head] + [0])
+    sel_idx = torch.full((bsz, hkv, max_sel), -1, dtype=torch.int64)
+    sel_len = torch.zeros(bsz, hkv, dtype=torch.int64)
+    for b, per_head in enumerate(sels):
+        for h, s in enumerate(per_head):
+            sel_idx[b, h, : len(s)] = s
+            sel_len[b, h] = len(s)
+    q = torch.randn(bsz, hkv * case.group, d, generator=vals).to(dtype)
+    return Batch(
+        q, k_buf, v_buf, req_to_token, rows.long(),
+        torch.tensor(case.seq_lens, dtype=torch.int64), sel_idx, sel_len,
+        torch.tensor(recent, dtype=torch.int64), case.sink, d**-0.5, dense_k, dense_v,
+    )
+
+
+def run_impl(batch: Batch, impl: str) -> torch.Tensor:
+    return sparse_decode(*batch.args(), sink=batch.sink, scale=batch.scale, impl=impl)
+
+
+def reference(batch: Batch) -> torch.Tensor:
+    return sparse_decode_reference(*batch.args(), sink=batch.sink, scale=batch.scale)
+
+
+def dense_attention(batch: Batch) -> torch.Tensor:
+    """Plain full-history attention from the unpooled K/V (torch SDPA, fp32)."""
+    outs = []
+    for b, (k, v) in enumerate(zip(batch.dense_k, batch.dense_v)):
+        q = batch.q[b].float()[:, None, :]  # [Hq, 1, D]
+        g = q.shape[0] // k.shape[1]
+        kk = k.float().transpose(0, 1).repeat_interleave(g, 0)  # [Hq, N, D]
+        vv = v.float().transpose(0, 1).repeat_interleave(g, 0)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(q, kk, vv, scale=batch.scale)[:, 0]
+        )
+    return torch.stack(outs)
+
+
+@pytest.fixture(scope="module")
+def triton_ready():
+    pytest.importorskip("triton")
+    from sgl_spec.kernels.sparse_decode import triton_impl
+
+    if not CUDA and not triton_impl._interpreted():
+        importlib.reload(triton_impl)  # imported earlier without TRITON_INTERPRET
+    assert CUDA or triton_impl._interpreted()
+
+
+# ---------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=str)
+@pytest.mark.parametrize("layout", ["recent-only", "sink+select-all+window"])
+def test_reference_with_full_subset_is_dense_attention(case, layout):
+    batch = make_batch(case, torch.float32, select_all=layout != "recent-only")
+    if layout == "recent-only":
+        batch.sel_idx = batch.sel_idx[:, :, :0]
+        batch.sel_len.zero_()
+        batch.recent_start.zero_()
+    assert rel_err(reference(batch), dense_attention(batch)) < 1e-5
+
+
+def test_reference_rejects_overlapping_selection():
+    batch = make_batch(CASES[0], torch.float32)
+    batch.sel_idx[0, 0, 0] = 0  # inside the sink
+    with pytest.raises(AssertionError, match="overlap the sink"):
+        reference(batch)
+    batch = make_batch(CASES[0], torch.float32)
+    batch.sel_idx[0, 0, 1] = batch.sel_idx[0, 0, 0]
+    with pytest.raises(AssertionError, match="not unique"):
+        reference(batch)
+
+
+def test_unknown_impl_lists_valid_ones():
+    batch = make_batch(CASES[0], torch.float32)
+    with pytest.raises(ValueError, match="valid: torch, triton, flashinfer"):
+        run_impl(batch, "cuda")
+    assert IMPLS == ("torch", "triton", "flashinfer")
+
+
+# ---------------------------------------------------------------- torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_torch_matches_reference(case, dtype):
+    batch = make_batch(case, dtype)
+    out = run_impl(batch, "torch")
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    assert rel_err(out, reference(batch)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=str)
+def test_torch_full_subset_is_dense_attention(case):
+    batch = make_batch(case, torch.float32, select_all=True)
+    assert rel_err(run_impl(batch, "torch"), dense_attention(batch)) <= 1e-5
+
+
+def test_torch_writes_out():
+    batch = make_batch(CASES[2], torch.float32)
+    out = torch.empty_like(batch.q)
+    res = sparse_decode(*batch.args(), sink=batch.sink, scale=batch.scale, out=out)
+    assert res is out and rel_err(out, reference(batch)) <= 1e-3
+
+
+# ---------------------------------------------------------------- triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_triton_matches_reference(triton_ready, case, dtype):
+    batch = make_batch(case, dtype, seed=1)
+    ref = reference(batch)
+    out = run_impl(batch.to("cuda") if CUDA else batch, "triton")
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    assert rel_err(out, ref) <= TOL[dtype]
+
+
+def test_triton_full_subset_is_dense_attention(triton_ready):
+    batch = make_batch(CASES[2], torch.float32, select_all=True)
+    out = run_impl(batch.to("cuda") if CUDA else batch, "triton")
+    assert rel_err(out, dense_attention(batch)) <= 1e-5
+
+
+# ---------------------------------------------------------------- flashinfer
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_flashinfer_page_lists_match_reference(case):
+    """The FlashInfer path's page layout, checked on CPU by attending each list in torch."""
+    batch = make_batch(case, torch.float32, seed=2)
+    hkv, g = case.num_kv_heads, case.group
+    pages = build_pages(
+        batch.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.sel_len,
+        batch.recent_start, sink=batch.sink, num_kv_heads=hkv,
+    )
+    fill_selected(pages, batch.req_to_token, batch.sel_idx, hkv)
+    k_pages = batch.k_buf.reshape(-1, batch.k_buf.shape[-1])  # [slots * Hkv, D]
+    v_pages = batch.v_buf.reshape(-1, batch.v_buf.shape[-1])
+    out = torch.empty_like(batch.q)
+    for p in range(len(pages.indptr) - 1):
+        b, h = divmod(p, hkv)
+        ids = pages.indices[pages.indptr[p] : pages.indptr[p + 1]].long()
+        qh = batch.q[b, h * g : (h + 1) * g]
+        probs = torch.softmax(qh @ k_pages[ids].T * batch.scale, dim=-1)
+        out[b, h * g : (h + 1) * g] = probs @ v_pages[ids]
+    assert rel_err(out, reference(batch)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_flashinfer_matches_reference(case, dtype):
+    pytest.importorskip("flashinfer")
+    batch = make_batch(case, dtype, seed=3)
+    out = run_impl(batch.to("cuda"), "flashinfer")
+    assert rel_err(out, reference(batch)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_flashinfer_plan_once_run_per_layer():
+    pytest.importorskip("flashinfer")
+    from sgl_spec.kernels.sparse_decode.flashinfer_impl import FlashInferSparseDecode
+
+    case = CASES[2]
+    layers = [make_batch(case, torch.bfloat16, seed=10, layer=i) for i in range(3)]
+    # One layout and selection lengths (as the policies guarantee), per-layer
+    # values and selections.
+    for lb in layers[1:]:
+        assert torch.equal(lb.sel_len, layers[0].sel_len)
+        assert torch.equal(lb.req_to_token, layers[0].req_to_token)
+        assert not torch.equal(lb.sel_idx, layers[0].sel_idx)
+    runner = FlashInferSparseDecode("cuda")
+    first = layers[0].to("cuda")
+    runner.plan(
+        first.req_to_token, first.req_pool_indices, first.seq_lens, first.sel_len,
+        first.recent_start, sink=first.sink, num_q_heads=first.q.shape[1],
+        num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, scale=first.scale,
+        q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+    )
+    for lb in layers:
+        gpu = lb.to("cuda")
+        out = torch.empty_like(gpu.q)
+        runner.run(gpu.q, gpu.k_buf, gpu.v_buf, gpu.sel_idx, out=out)
+        assert rel_err(out, reference(lb)) <= 2e-2
