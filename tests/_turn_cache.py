@@ -5,10 +5,10 @@ either cache the way sglang's scheduler does (match, lock, evict, insert, unlock
 
 from __future__ import annotations
 
-from array import array
-
 import torch
 
+from sgl_spec.bench import cache_fixtures
+from sgl_spec.bench.cache_fixtures import key
 from sgl_spec.cache.turn_format import TurnFormat
 
 # Synthetic vocabulary: ChatML-like specials and plain content tokens >= 20.
@@ -29,46 +29,9 @@ def turn(role: str, content: list[int], reasoning: list[int] | None = None) -> l
     return [IM_START, ROLE_TOKEN[role], NL, *body, IM_END, NL]
 
 
-def _server_args():
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy"))
-
-
 def build(kind: str, size: int, fmt: TurnFormat | None = FMT, eviction: str = "lru",
           tree_core: str | None = None):
-    """(cache, allocator). kind: "stock" (UnifiedRadixCache, sglang's default tree
-    core unless ``tree_core``) or "spec" (SpecRadixCache)."""
-    _server_args()
-    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
-    from sgl_spec.cache.radix import SpecRadixCache
-
-    r2t = ReqToTokenPool(size=4, max_context_len=8192, device="cpu",
-                         enable_memory_saver=False)
-    kv = MHATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, head_num=1,
-                          head_dim=8, layer_num=1, device="cpu",
-                          enable_memory_saver=False)
-    alloc = TokenToKVPoolAllocator(size=size, dtype=torch.bfloat16, device="cpu",
-                                   kvcache=kv, need_sort=False)
-    params = CacheInitParams(disable=False, req_to_token_pool=r2t,
-                             token_to_kv_pool_allocator=alloc, page_size=1,
-                             tree_components=(ComponentType.FULL,),
-                             tree_core_backend=tree_core)
-    if kind == "stock":
-        return UnifiedRadixCache(params), alloc
-    params.sgl_spec_turns = (fmt, eviction)
-    return SpecRadixCache(params), alloc
-
-
-def key(tokens):
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    return RadixKey(array("q", tokens))
+    return cache_fixtures.build(kind, size, fmt, eviction, tree_core)
 
 
 def match(cache, tokens) -> tuple[int, object]:
@@ -122,9 +85,10 @@ class Request:
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         full = self.prompt + self.output
-        r = self.cache.insert(InsertParams(key=key(full), value=self.value))
-        if r.prefix_len > self.matched:
-            self.alloc.free(self.value[self.matched : r.prefix_len])
+        # As sglang's checkpoint_into_tree: the locked prefix is protected; the
+        # insert frees this request's duplicates of anything cached since.
+        r = self.cache.insert(InsertParams(key=key(full), value=self.value,
+                                           prev_prefix_len=self.matched))
         self.cache.unlock(self.lock)
         self.lock = None
         return r.prefix_len

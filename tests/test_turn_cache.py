@@ -215,3 +215,20 @@ def test_lru_policy_counts_everything_as_lru():
     assert evict(cache, 10_000) == total
     assert cache.tree_core.freed_by_rule == {
         "dead_reasoning": 0, "inactive_conversation": 0, "lru": total}
+
+
+def test_cache_eviction_flag_rejects_unknown_policies(capsys):
+    from sgl_spec.config import SpecConfig
+    from sgl_spec.launch_server import split_argv
+
+    with pytest.raises(ValueError, match="--spec-cache-eviction 'fifo'.*lru, turn"):
+        SpecConfig(cache_eviction="fifo")
+    with pytest.raises(SystemExit) as exc:
+        split_argv(["--spec-cache-eviction", "fifo"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--spec-cache-eviction" in err and "'lru'" in err and "'turn'" in err
+    cfg, rest = split_argv(["--spec-cache-eviction", "turn", "--tp-size", "1"])
+    assert cfg.cache_eviction == "turn" and rest == ["--tp-size", "1"]
+    with pytest.raises(ValueError, match="valid values: lru, turn"):
+        build("spec", 64, eviction="fifo")

@@ -10,6 +10,7 @@ model's chat template and ``--reasoning-parser``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from sgl_spec.sglang_compat import check_version
 
@@ -26,7 +27,6 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (  # noqa: E40
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 
 from sgl_spec.cache.rounds import RequestRounds, set_registry  # noqa: E402
-from sgl_spec.cache.segment import segment  # noqa: E402
 from sgl_spec.cache.summary import summary  # noqa: E402
 from sgl_spec.cache.tree_core import SpecTreeCore  # noqa: E402
 from sgl_spec.cache.turn_format import TurnFormat  # noqa: E402
@@ -34,6 +34,21 @@ from sgl_spec.cache.turn_format import TurnFormat  # noqa: E402
 logger = logging.getLogger(__name__)
 
 TREE_CORE = "sgl_spec"
+
+# Called with the rid of every request whose KV row the scheduler releases
+# (finished, aborted, retracted), in the scheduler thread. Process-wide: the
+# attention backend registers here to free per-request state kept outside the tree.
+_RELEASE_LISTENERS: list[Callable[[str], None]] = []
+
+
+def add_release_listener(fn: Callable[[str], None]) -> None:
+    if fn not in _RELEASE_LISTENERS:
+        _RELEASE_LISTENERS.append(fn)
+
+
+def remove_release_listener(fn: Callable[[str], None]) -> None:
+    if fn in _RELEASE_LISTENERS:
+        _RELEASE_LISTENERS.remove(fn)
 
 
 def _tree_core_factory(params, components):
@@ -75,8 +90,7 @@ class SpecRadixCache(UnifiedRadixCache):
             core.harden_below(node)  # stock splits where an insert ends
         if self.turn_format is not None:
             key = params.key.page_aligned(core.page_size)
-            spans = segment(key.raw_token_ids(), self.turn_format)
-            self._apply_cache_actions(core.cut_path(key, spans))
+            self._apply_cache_actions(core.cut_path(key))
         if self.spec_metrics is not None:
             self.spec_metrics.maybe_update(core)
         return result
@@ -91,6 +105,8 @@ class SpecRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
         if not checkpointed:
             self.rounds.release(req.rid)
+        for fn in _RELEASE_LISTENERS:
+            fn(req.rid)
 
     def summary(self) -> dict:
         """The tree summary served at ``GET /sgl_spec/cache``."""

@@ -52,33 +52,51 @@ def as_numpy(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int64)
 
 
-def _match_at(arr: np.ndarray, pos: int, pattern: tuple[int, ...]) -> int:
-    """1 on a full match at pos, 0 on a mismatch, -1 if arr ends inside a match."""
+def _events(arr: np.ndarray, fmt: TurnFormat, lo: int):
+    """(position, kind, role, length) of the pattern matches starting at or after
+    ``lo``, in order; kind 0 = opener (role None: the sequence ends inside it),
+    1 = end marker, 2 = reasoning start, 3 = reasoning end. One vectorised pass
+    finds the candidates; each is checked in Python (a few per turn)."""
     n = len(arr)
-    avail = min(len(pattern), n - pos)
-    for i in range(avail):
-        if arr[pos + i] != pattern[i]:
-            return 0
-    return 1 if avail == len(pattern) else -1
+    view = arr[lo:]
+    hit = view == fmt.first_ids[0]
+    for t in fmt.first_ids[1:]:  # a handful: cheaper than np.isin
+        hit |= view == t
+    cand = np.flatnonzero(hit)
+    if not len(cand):
+        return
+    longest = fmt.longest
+    kinds = fmt.kinds
+    for p in (cand + lo).tolist():
+        window = tuple(arr[p : p + longest].tolist())
+        for pattern, kind, role in kinds:
+            if window[: len(pattern)] == pattern:
+                yield p, kind, role, len(pattern)
+                break
+        else:
+            if p + longest > n and any(
+                len(pat) > len(window) and pat[: len(window)] == window
+                for pat, kind, _ in kinds if kind == 0
+            ):
+                yield p, 0, None, n - p
 
 
-def segment(tokens: Sequence[int], fmt: TurnFormat) -> list[Span]:
-    """Spans covering ``tokens`` exactly, in order; boundaries where the tag changes."""
+def segment(tokens: Sequence[int], fmt: TurnFormat, start: int = 0,
+            state: tuple[TurnTag, int | None] | None = None) -> list[Span]:
+    """Spans covering ``tokens[start:]`` in order; boundaries where the tag changes.
+
+    ``state`` is (tag, closed_at) in force at ``start`` (from the cached prefix),
+    so a cache can segment only what it has not tagged yet.
+    """
     arr = as_numpy(tokens)
     n = len(arr)
-    if n == 0:
+    if n <= start:
         return []
-    if len(fmt.first_ids) == 1:
-        cand = np.flatnonzero(arr == fmt.first_ids[0])
-    else:
-        cand = np.flatnonzero(np.isin(arr, fmt.first_ids))
-
     spans: list[Span] = []
-    start, tag, closed_at = 0, UNTAGGED, None
-    turn, rnd = 0, 0
-    think_open = fmt.think[0] if fmt.think else None
-    think_close = fmt.think[1] if fmt.think else None
-    skip_to = 0
+    tag, closed_at = state if state is not None else (UNTAGGED, None)
+    turn, rnd = tag.turn, tag.round
+    opened = state is not None and start > 0
+    skip_to = start
 
     def cut(at: int, new_tag: TurnTag, new_closed: int | None):
         nonlocal start, tag, closed_at
@@ -86,46 +104,30 @@ def segment(tokens: Sequence[int], fmt: TurnFormat) -> list[Span]:
             spans.append(Span(start, at, tag, closed_at))
         start, tag, closed_at = at, new_tag, new_closed
 
-    for p in cand.tolist():
+    for p, kind, role, size in _events(arr, fmt, start):
         if p < skip_to:
             continue
-        opened = None
-        pending = False
-        for role, pattern in fmt.openers:
-            m = _match_at(arr, p, pattern)
-            if m == 1:
-                opened = (role, pattern)
-                break
-            pending |= m == -1
-        if opened is not None or pending:
-            role = opened[0] if opened else None
-            if spans or start > 0 or tag != UNTAGGED or p > 0:
+        if kind == 0:
+            if opened or spans or tag != UNTAGGED or p > 0:
                 turn += 1
             if role == "user":
                 rnd += 1
             cut(p, TurnTag(turn, role, rnd, False), None)
-            skip_to = p + (len(opened[1]) if opened else n)
-            continue
-        if fmt.end and _match_at(arr, p, fmt.end) == 1:
+            skip_to = p + size
+        elif kind == 1:
             if closed_at is None and tag.role is not None:
-                closed_at = p + len(fmt.end)
-                # The span so far is open; close state is positional, not a cut.
-                tag_now = tag
-                spans_start = start
-                spans.append(Span(spans_start, p + len(fmt.end), tag_now, closed_at))
-                start = p + len(fmt.end)
-            skip_to = p + len(fmt.end)
-            continue
-        if think_open and not tag.reasoning and tag.role is not None:
-            if _match_at(arr, p, think_open) == 1:
-                cut(p, tag._replace(reasoning=True), closed_at)
-                skip_to = p + len(think_open)
-                continue
-        if think_close and tag.reasoning and _match_at(arr, p, think_close) == 1:
-            stop = p + len(think_close)
-            if stop < n:
-                cut(stop, tag._replace(reasoning=False), closed_at)
-            skip_to = stop
+                closed_at = p + size
+                # Closing is positional, not a cut: the span ends after the marker
+                # and _merge joins it with the rest of the turn.
+                spans.append(Span(start, p + size, tag, closed_at))
+                start = p + size
+            skip_to = p + size
+        elif kind == 2 and not tag.reasoning and tag.role is not None:
+            cut(p, tag._replace(reasoning=True), closed_at)
+            skip_to = p + size
+        elif kind == 3 and tag.reasoning:
+            cut(p + size, tag._replace(reasoning=False), closed_at)
+            skip_to = p + size
     if n > start:
         spans.append(Span(start, n, tag, closed_at))
     return _merge(spans)

@@ -27,7 +27,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sgl_spec.cache.segment import Span, TurnTag
+from sgl_spec.cache.segment import Span, TurnTag, segment
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.sglang_compat import check_version
 
@@ -147,32 +147,61 @@ class SpecTreeCore(UnifiedTreeCore):
                 self._refresh_soft_chain(c)
 
     # ---- turn cuts ----------------------------------------------------------
-    def cut_path(self, key: RadixKey, spans: list[Span]) -> list:
-        """Split the nodes on ``key``'s path at span boundaries and tag them.
-        Returns the split actions (HiCache bookkeeping) for the cache to apply."""
-        actions = []
-        node, pos, si, n = self.root_node, 0, 0, len(key)
+    def cut_path(self, key: RadixKey) -> list:
+        """Split the nodes on ``key``'s path at turn and reasoning boundaries and
+        tag them. Only the untagged tail (the new leaf) is segmented, resuming
+        from the tag of the node before it, a few tokens early so a marker that
+        straddles the old end is seen. Returns split actions for the cache."""
+        path, starts = [], []
+        node, pos, n = self.root_node, 0, len(key)
+        first_new = None
         while pos < n:
             child = node.children.get(key.child_key_at(pos, self.page_size))
             if child is None:
                 break
+            if first_new is None and child.spec.tag is None:
+                first_new = len(path)
+            path.append(child)
+            starts.append(pos)
+            node, pos = child, pos + len(child.key)
+        if first_new is None or self.fmt is None:
+            return []
+        j = first_new
+        while j > 0 and starts[first_new] - starts[j] < self.fmt.longest:
+            j -= 1
+        state = None
+        if j > 0:
+            prev = path[j - 1]
+            off = prev.spec.close_off
+            closed = None if off is None else starts[j] - len(prev.key) + off
+            state = (prev.spec.tag, closed)
+        tokens = key.raw_token_ids()[:pos]
+        spans = segment(tokens, self.fmt, starts[j], state)
+        return self._cut(path[j:], starts[j], spans)
+
+    def _cut(self, nodes, pos: int, spans: list[Span]) -> list:
+        actions = []
+        si = 0
+        ps = self.page_size
+        for child in nodes:
             end = pos + len(child.key)
             while spans[si].end <= pos:
                 si += 1
             while spans[si].end < end:
-                boundary = spans[si].end
-                self._cutting = True
-                try:
-                    upper, action = self._split_node(child.key, child, boundary - pos)
-                finally:
-                    self._cutting = False
-                if action is not None:
-                    actions.append(action)
-                self._tag(upper, spans[si], boundary)
-                pos = boundary
+                boundary = spans[si].end // ps * ps  # a cut falls on a page edge
+                if boundary > pos:
+                    self._cutting = True
+                    try:
+                        upper, action = self._split_node(child.key, child, boundary - pos)
+                    finally:
+                        self._cutting = False
+                    if action is not None:
+                        actions.append(action)
+                    self._tag(upper, spans[si], boundary)
+                    pos = boundary
                 si += 1
             self._tag(child, spans[si], end)
-            node, pos = child, end
+            pos = end
         return actions
 
     @staticmethod

@@ -47,6 +47,9 @@ class TurnFormat:
     think: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     drops_reasoning: bool = False
     first_ids: tuple[int, ...] = field(init=False, repr=False)
+    # (pattern, kind, role) in match order, and the longest pattern's length.
+    kinds: tuple = field(init=False, repr=False)
+    longest: int = field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.openers:
@@ -63,6 +66,15 @@ class TurnFormat:
         object.__setattr__(
             self, "first_ids", tuple(sorted({p[0] for p in patterns if p}))
         )
+        kinds = [(tuple(ids), 0, role) for role, ids in self.openers]
+        if self.end:
+            kinds.append((tuple(self.end), 1, None))
+        if self.think is not None:
+            kinds += [(tuple(self.think[0]), 2, None), (tuple(self.think[1]), 3, None)]
+        # Longest first, so a pattern that prefixes another never shadows it.
+        kinds.sort(key=lambda k: -len(k[0]))
+        object.__setattr__(self, "kinds", tuple(kinds))
+        object.__setattr__(self, "longest", len(kinds[0][0]))
 
     def opener_len(self, role: str | None) -> int:
         for r, ids in self.openers:
