@@ -166,6 +166,12 @@ def _chat_entry(stock: list, spec: list, near_tie: float) -> dict:
     return {
         "stock": a, "spec": b, "ratio": report.ratios(b, a),
         "agreement": report.agreement(compared),
+        # Same prompts on both servers, so the radix caches must hit the same.
+        "cached_tokens": {
+            "turns": len(stock),
+            "identical": sum(a.cached_tokens == b.cached_tokens
+                             for a, b in zip(stock, spec)),
+        },
         "turns_compared": compared,
         "turns": {"stock": [_turn_dict(t) for t in stock],
                   "spec": [_turn_dict(t) for t in spec]},

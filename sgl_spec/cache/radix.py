@@ -88,7 +88,7 @@ class SpecRadixCache(UnifiedRadixCache):
         node = core._node_arena.get(result.last_device_node)
         if node is not None:
             core.harden_below(node)  # stock splits where an insert ends
-        if self.turn_format is not None:
+        if self.turn_format is not None and not core.precuts:
             key = params.key.page_aligned(core.page_size)
             self._apply_cache_actions(core.cut_path(key))
         if self.spec_metrics is not None:

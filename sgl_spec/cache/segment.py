@@ -82,11 +82,13 @@ def _events(arr: np.ndarray, fmt: TurnFormat, lo: int):
 
 
 def segment(tokens: Sequence[int], fmt: TurnFormat, start: int = 0,
-            state: tuple[TurnTag, int | None] | None = None) -> list[Span]:
+            state: tuple[TurnTag, int | None] | None = None,
+            base: int = 0) -> list[Span]:
     """Spans covering ``tokens[start:]`` in order; boundaries where the tag changes.
 
     ``state`` is (tag, closed_at) in force at ``start`` (from the cached prefix),
-    so a cache can segment only what it has not tagged yet.
+    so a cache can segment only what it has not tagged yet. ``base`` is the
+    sequence position of ``tokens[0]``; spans are in sequence positions.
     """
     arr = as_numpy(tokens)
     n = len(arr)
@@ -94,8 +96,10 @@ def segment(tokens: Sequence[int], fmt: TurnFormat, start: int = 0,
         return []
     spans: list[Span] = []
     tag, closed_at = state if state is not None else (UNTAGGED, None)
+    if closed_at is not None:
+        closed_at -= base  # positions below are relative to tokens[0]
     turn, rnd = tag.turn, tag.round
-    opened = state is not None and start > 0
+    opened = state is not None and start + base > 0
     skip_to = start
 
     def cut(at: int, new_tag: TurnTag, new_closed: int | None):
@@ -108,7 +112,7 @@ def segment(tokens: Sequence[int], fmt: TurnFormat, start: int = 0,
         if p < skip_to:
             continue
         if kind == 0:
-            if opened or spans or tag != UNTAGGED or p > 0:
+            if opened or spans or tag != UNTAGGED or p + base > 0:
                 turn += 1
             if role == "user":
                 rnd += 1
@@ -130,6 +134,9 @@ def segment(tokens: Sequence[int], fmt: TurnFormat, start: int = 0,
             skip_to = p + size
     if n > start:
         spans.append(Span(start, n, tag, closed_at))
+    if base:
+        spans = [Span(a + base, b + base, t, None if c is None else c + base)
+                 for a, b, t, c in spans]
     return _merge(spans)
 
 

@@ -27,7 +27,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from sgl_spec.cache.segment import Span, TurnTag, segment
+import numpy as np
+
+from sgl_spec.cache.segment import Span, TurnTag, as_numpy, segment
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.sglang_compat import check_version
 
@@ -85,6 +87,10 @@ class SpecTreeCore(UnifiedTreeCore):
         self.freed_by_rule = {r: 0 for r in RULES}
         self._cutting = False
         super().__init__(params, components)
+        # Cut the new tail while inserting it (FULL-only trees, page size 1);
+        # otherwise cut_path() cuts after the insert.
+        self.precuts = fmt is not None and self.component_types == (
+            BASE_COMPONENT_TYPE,) and self.page_size == 1
         if self.turn_eviction:
             from sgl_spec.cache.turn_eviction import TurnAwareStrategy
 
@@ -125,7 +131,43 @@ class SpecTreeCore(UnifiedTreeCore):
     def _add_new_node(self, parent, key, value, *args, **kwargs):
         # Stock splits where a second child branches off: the boundary is hard.
         self.harden_below(parent)
-        return super()._add_new_node(parent, key, value, *args, **kwargs)
+        state = self._ongoing_insert_walk_state
+        if not self.precuts or state is None:
+            return super()._add_new_node(parent, key, value, *args, **kwargs)
+        # Insert the new tail already cut at turn boundaries: a chain of nodes,
+        # soft-joined, instead of one node split afterwards (cheaper).
+        start = state.total_prefix_length
+        anchors, back = [], 0
+        node = parent
+        while node is not self.root_node and back < self.fmt.longest:
+            anchors.append(node)
+            back += len(node.key)
+            node = node.parent
+        anchors.reverse()
+        prev = anchors[0].parent if anchors else None
+        seg_state = None
+        if prev is not None and prev is not self.root_node:
+            off = prev.spec.close_off
+            closed = None if off is None else start - back - len(prev.key) + off
+            seg_state = (prev.spec.tag, closed)
+        tokens = np.concatenate(
+            [as_numpy(a.key.raw_token_ids()) for a in anchors]
+            + [as_numpy(key.raw_token_ids())]
+        )
+        spans = segment(tokens, self.fmt, 0, seg_state, base=start - back)
+        # Re-tag the nodes just above (a marker may start in them, or a pending
+        # opener's role become known); a cut there is a split like any other.
+        state.pending_actions.extend(self._cut(anchors, start - back, spans))
+        leaf, pos, cur = None, start, parent
+        for span in spans:
+            if span.end <= start:
+                continue
+            a, b = max(span.start, pos) - start, span.end - start
+            leaf = super()._add_new_node(cur, key[a:b], value[a:b], *args, **kwargs)
+            leaf.spec.soft = cur is not parent
+            self._tag(leaf, span, span.end)
+            cur, pos = leaf, span.end
+        return leaf
 
     def _refresh_soft_chain(self, node) -> None:
         t = node.last_access_time
