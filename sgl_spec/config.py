@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sgl_spec import envs
+from sgl_spec.sparse.params import LIMITS, SparseParams
 
-# Attention modes; later issues add sparse ones here (and nowhere else).
-MODES = ("exact",)
+# Attention modes: "exact" (dense) and the selection policies of sgl_spec.sparse.
+MODES = ("exact", "streaming", "snapkv", "loopserve")
 # Radix-cache eviction orders (sgl_spec.cache.tree_core.EVICTION_POLICIES).
 CACHE_EVICTIONS = ("lru", "turn")
 
@@ -28,6 +29,12 @@ class SpecConfig:
     mode: str = "exact"
     disable: bool = False
     cache_eviction: str = "lru"
+    # Sparse decode (modes other than exact); validated by SparseParams.
+    budget: int = SparseParams.budget
+    sink: int = SparseParams.sink
+    window: int = SparseParams.window
+    nd: int = SparseParams.nd
+    min_context: int = SparseParams.min_context
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -39,6 +46,17 @@ class SpecConfig:
                 f"--spec-cache-eviction {self.cache_eviction!r} is invalid; valid "
                 f"values: {', '.join(CACHE_EVICTIONS)}"
             )
+        self.sparse_params()  # raises ValueError naming the bad --spec-* flag
+
+    def sparse_params(self) -> SparseParams:
+        """The selection policies' parameters (the one place they are validated)."""
+        return SparseParams(
+            budget=self.budget,
+            sink=self.sink,
+            window=self.window,
+            nd=self.nd,
+            min_context=self.min_context,
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -55,6 +73,28 @@ class SpecConfig:
         return cls(**data)
 
 
+# SpecConfig field -> help of its flag; the flag's name and valid range are
+# SparseParams' (sgl_spec.sparse.params.LIMITS), which also checks them.
+_SPARSE_HELP = {
+    "budget": "Sparse modes: history positions selected per KV head and layer (B).",
+    "sink": "Sparse modes: first positions always attended (attention sink).",
+    "window": "Sparse modes: last positions always attended (recent window).",
+    "nd": "loopserve: reselection interval in decode steps, and the number of "
+    "recent decoded queries that score the history.",
+    "min_context": "Sparse modes: histories shorter than this decode exactly (as "
+    "do histories that budget + sink + window cover).",
+}
+
+
+def _int_or_text(text: str) -> int | str:
+    """argparse type: an int, or the text itself for SparseParams to reject with
+    the flag's valid range (argparse's own error would not name it)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``--spec-*`` flags (sglang-style help, defaults shown)."""
     group = parser.add_argument_group("sgl_spec options")
@@ -65,8 +105,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.mode,
         choices=MODES,
         help="Decode attention mode. 'exact' is dense attention (the path every "
-        f"sparse mode falls back to). Default: {defaults.mode}.",
+        "sparse mode falls back to); 'streaming' attends the sink and a recent "
+        "window (StreamingLLM); 'snapkv' selects --spec-budget positions per KV "
+        "head once, from the last prompt window (SnapKV); 'loopserve' reselects "
+        "them from the last --spec-nd decoded queries (LoopServe Sec 5.3). Sparse "
+        "modes run on CPU (torch); on CUDA hosts decode stays exact. "
+        f"Default: {defaults.mode}.",
     )
+    for dest, text in _SPARSE_HELP.items():
+        flag, lo = LIMITS[dest]
+        group.add_argument(
+            flag,
+            dest=dest,
+            type=_int_or_text,
+            default=getattr(defaults, dest),
+            metavar="N",
+            help=f"{text} Integer >= {lo}. Default: {getattr(defaults, dest)}.",
+        )
     group.add_argument(
         "--spec-cache-eviction",
         type=str,
@@ -88,10 +143,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_cli_args(args: argparse.Namespace) -> SpecConfig:
+    """The config of parsed flags; raises ValueError naming a bad flag."""
     return SpecConfig(
         mode=args.spec_mode,
         disable=args.spec_disable,
         cache_eviction=args.spec_cache_eviction,
+        **{dest: getattr(args, dest) for dest in _SPARSE_HELP},
     )
 
 

@@ -14,12 +14,15 @@ environment. Defaults that differ from stock sglang (only where not given):
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 from sgl_spec import config as spec_config
 from sgl_spec import envs
 from sgl_spec.plugin import NAME
+
+logger = logging.getLogger(__name__)
 
 PROG = "python -m sgl_spec.launch_server"
 CPU_MAX_TOTAL_TOKENS = 32768
@@ -51,6 +54,9 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
         cfg = spec_config.from_cli_args(spec_args)
     except ValueError as exc:
         parser.error(str(exc))
+    if cfg.disable and cfg.mode != "exact":
+        logger.warning("--spec-mode %s has no effect with --spec-disable (stock "
+                       "components decode exactly)", cfg.mode)
     return cfg, rest
 
 

@@ -19,22 +19,43 @@ def test_spec_flags_are_split_from_sglang_flags():
     assert cfg.disable and rest == ["--port=1"]
 
 
+def test_sparse_flags_fill_the_config_and_its_params():
+    cfg, rest = split_argv([
+        "--spec-mode", "loopserve", "--spec-budget", "64", "--spec-sink=2",
+        "--spec-window", "8", "--spec-nd", "4", "--spec-min-context", "0", "--port", "1",
+    ])
+    assert rest == ["--port", "1"]
+    assert (cfg.mode, cfg.budget, cfg.sink, cfg.window, cfg.nd, cfg.min_context) == (
+        "loopserve", 64, 2, 8, 4, 0)
+    p = cfg.sparse_params()
+    assert (p.budget, p.sink, p.window, p.nd, p.min_context) == (64, 2, 8, 4, 0)
+    defaults, _ = split_argv([])
+    assert (defaults.mode, defaults.budget, defaults.sink, defaults.window, defaults.nd,
+            defaults.min_context) == ("exact", 1024, 4, 64, 16, 2048)
+
+
 @pytest.mark.parametrize(
-    "argv, needle",
+    "argv, flag, valid",
     [
-        (["--spec-mode", "bogus"], "--spec-mode"),
-        (["--spec-bogus", "1"], "--spec-bogus"),
-        (["--spec-mode=nope"], "exact"),
+        (["--spec-mode", "bogus"], "--spec-mode", "exact"),
+        (["--spec-bogus", "1"], "--spec-bogus", "--spec-mode"),
+        (["--spec-mode=nope"], "--spec-mode", "loopserve"),
+        (["--spec-budget", "0"], "--spec-budget", "valid range: integers >= 1"),
+        (["--spec-budget=lots"], "--spec-budget", "valid range: integers >= 1"),
+        (["--spec-sink", "-1"], "--spec-sink", "valid range: integers >= 0"),
+        (["--spec-window", "0"], "--spec-window", "valid range: integers >= 1"),
+        (["--spec-nd", "1.5"], "--spec-nd", "valid range: integers >= 1"),
+        (["--spec-min-context", "-3"], "--spec-min-context", "valid range: integers >= 0"),
     ],
-    ids=["bad-mode", "unknown-flag", "equals-form"],
+    ids=["bad-mode", "unknown-flag", "equals-form", "budget-0", "budget-text",
+         "sink-negative", "window-0", "nd-float", "min-context-negative"],
 )
-def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, needle, capsys):
+def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, flag, valid, capsys):
     with pytest.raises(SystemExit) as exc:
         split_argv(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert needle in err
-    assert "exact" in err or "--spec-mode" in err
+    assert flag in err and valid in err
 
 
 def test_cpu_defaults_are_added_only_when_not_given():
@@ -61,10 +82,14 @@ def test_spec_disable_serves_stock_components():
 def test_config_json_round_trip_and_validation():
     cfg = SpecConfig(mode="exact", disable=True)
     assert SpecConfig.from_json(cfg.to_json()) == cfg
+    sparse = SpecConfig(mode="snapkv", budget=3, sink=0, window=2, nd=5, min_context=9)
+    assert SpecConfig.from_json(sparse.to_json()) == sparse
     with pytest.raises(ValueError, match="valid keys"):
-        SpecConfig.from_json('{"mode": "exact", "budget": 3}')
-    with pytest.raises(ValueError, match="valid values: exact"):
+        SpecConfig.from_json('{"mode": "exact", "bogus": 3}')
+    with pytest.raises(ValueError, match="valid values: exact, streaming, snapkv, loopserve"):
         SpecConfig(mode="sparse")
+    with pytest.raises(ValueError, match="--spec-window 0 is invalid; valid range: integers >= 1"):
+        SpecConfig.from_json('{"mode": "loopserve", "window": 0}')
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
@@ -74,15 +99,28 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_invalid_flag_value_exits_nonzero_with_valid_values():
-    proc = _launch("--spec-mode", "bogus")
+@pytest.mark.parametrize(
+    "argv, needles",
+    [
+        (["--spec-mode", "bogus"], ["--spec-mode", "'exact'", "'loopserve'"]),
+        (["--spec-budget", "0"], ["--spec-budget 0 is invalid; valid range: integers >= 1"]),
+    ],
+    ids=["mode", "budget"],
+)
+def test_invalid_flag_value_exits_nonzero_with_valid_values(argv, needles):
+    proc = _launch(*argv)
     assert proc.returncode == 2
-    assert "--spec-mode" in proc.stderr and "'exact'" in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr
 
 
 def test_help_lists_sglang_and_spec_flags():
     proc = _launch("--help")
     assert proc.returncode == 0
-    for flag in ("--spec-mode", "--spec-disable", "--model-path", "--tp-size"):
+    for flag in ("--spec-mode", "--spec-disable", "--model-path", "--tp-size",
+                 "--spec-budget", "--spec-sink", "--spec-window", "--spec-nd",
+                 "--spec-min-context"):
         assert flag in proc.stdout
-    assert "Default: exact" in proc.stdout
+    text = " ".join(proc.stdout.split())  # argparse wraps help lines
+    assert "Default: exact" in text
+    assert "Integer >= 1. Default: 1024." in text and "Default: 2048." in text

@@ -1,4 +1,4 @@
-"""sgl_spec's attention backend (``--attention-backend sgl_spec``), exact mode.
+"""sgl_spec's attention backend (``--attention-backend sgl_spec``).
 
 Exact mode is the path every sparse mode falls back to:
 
@@ -9,11 +9,19 @@ Exact mode is the path every sparse mode falls back to:
   Without a prefix the call is the one torch_native makes, bit for bit.
 * decode: torch_native's, unchanged, so greedy outputs match stock sglang.
 
+Sparse modes (``--spec-mode streaming|snapkv|loopserve``, CPU only) hand each pass
+to a :class:`~sgl_spec.attention.sparse_decode.SparseDecoder`: rows it decodes
+sparsely go through ``sgl_spec.kernels.sparse_decode`` (torch impl) in one batched
+call per layer; the other rows take torch_native's decode above, row for row the
+same computation as exact mode. SnapKV also scores the last prompt window at the
+end of prefill.
+
 On CUDA hosts the factory delegates to sglang's FlashInfer (or Triton) backend.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -29,7 +37,10 @@ from sglang.srt.layers.attention.torch_native_backend import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sgl_spec.attention.sparse_decode import SparseDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +65,84 @@ def offset_causal_mask(
 
 
 class SpecAttnBackend(TorchNativeAttnBackend):
-    """torch_native with an extend that attends only the new queries."""
+    """torch_native with an extend that attends only the new queries, and an
+    optional sparse decoder (None: exact mode)."""
+
+    sparse: "SparseDecoder | None" = None
+    _sparse_layer: int | None = None  # layer id while forward_decode runs sparse
+
+    def __init__(self, runner: "ModelRunner", sparse: "SparseDecoder | None" = None):
+        super().__init__(runner)
+        self.sparse = sparse
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch"):
+        super().init_forward_metadata(forward_batch)
+        if self.sparse is not None:
+            plan_pass(self.sparse, forward_batch)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.sparse is not None and self.sparse.prefill_planned:
+            self.sparse.prefill_layer(
+                layer.layer_id,
+                q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.req_to_token_pool.req_to_token,
+            )
+        return o
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        if self.sparse is None or not self.sparse.planned:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        # torch_native writes the KV and calls _run_sdpa_forward_decode, which
+        # splits the rows between the sparse decoder and its own dense loop.
+        self._sparse_layer = layer.layer_id
+        try:
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        finally:
+            self._sparse_layer = None
+
+    def _run_sdpa_forward_decode(
+        self,
+        query: torch.Tensor,  # [bs, num_heads, head_dim]
+        output: torch.Tensor,  # [bs, num_heads, v_head_dim], written
+        k_cache: torch.Tensor,  # [pool_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [pool_size, num_kv_heads, v_head_dim]
+        req_to_token: torch.Tensor,  # [max_reqs, max_context_len] int32
+        req_pool_indices: torch.Tensor,  # [bs]
+        seq_lens: torch.Tensor,  # [bs] incl. the current token
+        encoder_lens: torch.Tensor | None = None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size: int | None = None,
+    ):
+        dense = functools.partial(
+            super()._run_sdpa_forward_decode, encoder_lens=encoder_lens,
+            scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+            is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size,
+        )
+        layer = self._sparse_layer
+        windowed = sliding_window_size is not None and sliding_window_size > -1
+        if layer is None or encoder_lens is not None or is_cross_attn or windowed:
+            return dense(query, output, k_cache, v_cache, req_to_token,
+                         req_pool_indices, seq_lens)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        exact = self.sparse.decode_layer(
+            layer, query, k_cache, v_cache, req_to_token, req_pool_indices,
+            seq_lens, output, scale,
+        )
+        if len(exact) == query.shape[0]:  # exact mode's very call
+            return dense(query, output, k_cache, v_cache, req_to_token,
+                         req_pool_indices, seq_lens)
+        if exact:
+            idx = torch.tensor(exact, device=query.device)
+            part = output[idx]
+            dense(query[idx], part, k_cache, v_cache, req_to_token,
+                  req_pool_indices[idx], seq_lens[idx])
+            output[idx] = part
+        return output
 
     def _run_sdpa_forward_extend(
         self,
@@ -115,12 +203,68 @@ class SpecAttnBackend(TorchNativeAttnBackend):
         return output
 
 
+def plan_pass(decoder: "SparseDecoder", forward_batch: "ForwardBatch") -> None:
+    """Tell the decoder which requests this forward pass serves (once, before the layers)."""
+    mode = forward_batch.forward_mode
+    rids = forward_batch.rids
+    if rids is None or not (mode.is_decode() or mode.is_extend_without_speculative()):
+        decoder.clear_plan()  # idle, speculative, dummy passes: all exact
+        return
+    seq = forward_batch.seq_lens_cpu
+    seq_lens = (seq if seq is not None else forward_batch.seq_lens).tolist()
+    pool_rows = forward_batch.req_pool_indices.tolist()
+    if mode.is_decode():
+        decoder.plan_decode(rids, seq_lens, pool_rows)
+        return
+    extend = forward_batch.extend_seq_lens_cpu
+    if extend is None:
+        extend = forward_batch.extend_seq_lens.tolist()
+    decoder.plan_extend(
+        rids, seq_lens, extend, pool_rows,
+        final=getattr(forward_batch, "contains_last_prefill_chunk", True),
+    )
+
+
+def create_sparse_decoder(runner: "ModelRunner", cfg) -> "SparseDecoder":
+    """The decoder of a sparse ``--spec-mode``, wired to the radix cache's releases."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from sgl_spec.attention.sparse_decode import SparseDecoder
+    from sgl_spec.cache.radix import add_release_listener
+    from sgl_spec.sparse import AttnShape, get_policy
+
+    mc = runner.model_config
+    tp = get_parallel().attn_tp_size
+    # The softmax scale of the policies' scoring is head_dim ** -0.5; the kernel
+    # uses each layer's own scaling.
+    shape = AttnShape(
+        num_layers=mc.num_hidden_layers,
+        num_q_heads=mc.get_max_num_attention_heads() // tp,
+        num_kv_heads=mc.get_num_kv_heads(tp),
+        head_dim=mc.head_dim,
+    )
+    metrics = None
+    if runner.server_args.enable_metrics:
+        from sgl_spec.attention.metrics import SparseMetrics
+
+        metrics = SparseMetrics()
+    decoder = SparseDecoder(get_policy(cfg.mode, cfg.sparse_params(), shape),
+                            impl="torch", metrics=metrics)
+    # Only --radix-cache-backend sgl_spec calls this; with another tree cache
+    # states are dropped by the decoder's stale-rid fallback alone.
+    add_release_listener(decoder.release)
+    logger.info("sgl_spec sparse decode: mode %s, %s, %s, impl torch",
+                cfg.mode, cfg.sparse_params(), shape)
+    return decoder
+
+
 def create_backend(runner: "ModelRunner"):
     """Factory registered under ``--attention-backend sgl_spec``."""
     from sgl_spec.config import current
 
+    cfg = current()
     # Runs in the scheduler process: the --spec-* flags arrive through the env.
-    logger.info("sgl_spec attention backend, config %s", current().to_json())
+    logger.info("sgl_spec attention backend, config %s", cfg.to_json())
     device = torch.device(runner.device)
     if device.type == "cuda":
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
@@ -131,6 +275,16 @@ def create_backend(runner: "ModelRunner"):
             name = "flashinfer"
         except ImportError:
             name = "triton"
+        if cfg.mode != "exact":
+            # Unverified: no CUDA path wires SparseDecoder (FlashInferSparseDecode
+            # plan/run exists in sgl_spec.kernels but is not integrated, and
+            # sglang's CUDA-graph decode would need a graph-safe plan). Decode
+            # here is exact whatever the mode.
+            logger.warning(
+                "--spec-mode %s is CPU-only for now: on CUDA sgl_spec delegates to "
+                "sglang's %s backend and decodes exactly", cfg.mode, name,
+            )
         logger.info("sgl_spec exact mode on CUDA: delegating to sglang's %s backend", name)
         return ATTENTION_BACKENDS[name](runner)
-    return SpecAttnBackend(runner)
+    sparse = None if cfg.mode == "exact" else create_sparse_decoder(runner, cfg)
+    return SpecAttnBackend(runner, sparse)
