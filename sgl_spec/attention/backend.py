@@ -125,24 +125,23 @@ class SpecAttnBackend(TorchNativeAttnBackend):
         )
         layer = self._sparse_layer
         windowed = sliding_window_size is not None and sliding_window_size > -1
-        if layer is None or encoder_lens is not None or is_cross_attn or windowed:
-            return dense(query, output, k_cache, v_cache, req_to_token,
-                         req_pool_indices, seq_lens)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        exact = self.sparse.decode_layer(
-            layer, query, k_cache, v_cache, req_to_token, req_pool_indices,
-            seq_lens, output, scale,
-        )
-        if len(exact) == query.shape[0]:  # exact mode's very call
-            return dense(query, output, k_cache, v_cache, req_to_token,
-                         req_pool_indices, seq_lens)
-        if exact:
-            idx = torch.tensor(exact, device=query.device)
-            part = output[idx]
-            dense(query[idx], part, k_cache, v_cache, req_to_token,
-                  req_pool_indices[idx], seq_lens[idx])
-            output[idx] = part
-        return output
+        if not (layer is None or encoder_lens is not None or is_cross_attn or windowed):
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            exact = self.sparse.decode_layer(
+                layer, query, k_cache, v_cache, req_to_token, req_pool_indices,
+                seq_lens, output, scale,
+            )
+            if len(exact) < query.shape[0]:  # some rows were decoded sparsely
+                if exact:
+                    idx = torch.tensor(exact, device=query.device)
+                    part = output[idx]
+                    dense(query[idx], part, k_cache, v_cache, req_to_token,
+                          req_pool_indices[idx], seq_lens[idx])
+                    output[idx] = part
+                return output
+        # All rows exact: exact mode's very call.
+        return dense(query, output, k_cache, v_cache, req_to_token,
+                     req_pool_indices, seq_lens)
 
     def _run_sdpa_forward_extend(
         self,

@@ -144,17 +144,11 @@ class SpecTreeCore(UnifiedTreeCore):
             back += len(node.key)
             node = node.parent
         anchors.reverse()
-        prev = anchors[0].parent if anchors else None
-        seg_state = None
-        if prev is not None and prev is not self.root_node:
-            off = prev.spec.close_off
-            closed = None if off is None else start - back - len(prev.key) + off
-            seg_state = (prev.spec.tag, closed)
         tokens = np.concatenate(
             [as_numpy(a.key.raw_token_ids()) for a in anchors]
             + [as_numpy(key.raw_token_ids())]
         )
-        spans = segment(tokens, self.fmt, 0, seg_state, base=start - back)
+        spans = self._segment_after(node, tokens, start - back)
         # Re-tag the nodes just above (a marker may start in them, or a pending
         # opener's role become known); a cut there is a split like any other.
         state.pending_actions.extend(self._cut(anchors, start - back, spans))
@@ -211,15 +205,19 @@ class SpecTreeCore(UnifiedTreeCore):
         j = first_new
         while j > 0 and starts[first_new] - starts[j] < self.fmt.longest:
             j -= 1
+        prev = path[j - 1] if j > 0 else self.root_node
+        tokens = as_numpy(key.raw_token_ids()[:pos])[starts[j]:]
+        return self._cut(path[j:], starts[j], self._segment_after(prev, tokens, starts[j]))
+
+    def _segment_after(self, prev, tokens, base: int) -> list[Span]:
+        """Spans of ``tokens`` (sequence positions from ``base``), which follow
+        node ``prev`` on their path: segmentation resumes from prev's tag."""
         state = None
-        if j > 0:
-            prev = path[j - 1]
+        if prev is not self.root_node:
             off = prev.spec.close_off
-            closed = None if off is None else starts[j] - len(prev.key) + off
+            closed = None if off is None else base - len(prev.key) + off
             state = (prev.spec.tag, closed)
-        tokens = key.raw_token_ids()[:pos]
-        spans = segment(tokens, self.fmt, starts[j], state)
-        return self._cut(path[j:], starts[j], spans)
+        return segment(tokens, self.fmt, 0, state, base=base)
 
     def _cut(self, nodes, pos: int, spans: list[Span]) -> list:
         actions = []
