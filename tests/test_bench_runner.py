@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_spec.bench import configset, plots, runner, summary, tables
+from sgl_spec.bench import configset, plan, plots, runner, sparse_counters, summary, tables
 from sgl_spec.bench.__main__ import _parser
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.dataset import DatasetConfig, generate
@@ -34,10 +34,33 @@ def test_builtin_baseline_has_the_two_rows():
     assert stock.module == "sglang.launch_server"
     assert exact.module == "sgl_spec.launch_server"
     assert stock.server_args("/m") == ["--model-path", "/m", "--max-total-tokens", "32768",
-                                       "--enable-cache-report", "--device", "cpu",
-                                       "--attention-backend", "torch_native"]
+                                       "--enable-cache-report", "--enable-metrics",
+                                       "--device", "cpu", "--attention-backend",
+                                       "torch_native"]
     assert exact.server_args("/m")[-2:] == ["--spec-mode", "exact"]
     assert exact.slug == "sgl_spec-exact"
+    assert sets.plan is None and sets.within_points == ()
+
+
+def test_builtin_sparse_decode_set():
+    sets = configset.load(f"{configset.CONFIG_DIR}/sparse-decode.toml")
+    assert sets.name == "sparse-decode" and sets.reference.name == "sgl_spec exact"
+    budgets = ("256", "512", "1024")
+    assert [c.name for c in sets.configs] == ["sgl_spec exact", *(
+        f"{mode} B={b}" for mode in ("streaming", "snapkv", "loopserve") for b in budgets)]
+    by_name = {c.name: c for c in sets.configs}
+    for b in budgets:
+        assert by_name[f"loopserve B={b}"].flags == ("--spec-mode", "loopserve",
+                                                     "--spec-budget", b)
+        assert by_name[f"snapkv B={b}"].flags == ("--spec-mode", "snapkv", "--spec-budget", b)
+        # streaming attends sink + window: the window holds B + the others' 64 recent.
+        assert by_name[f"streaming B={b}"].flags == (
+            "--spec-mode", "streaming", "--spec-window", str(int(b) + 64), "--spec-budget", "1")
+    assert sets.plan == plan.RunPlan("default", ("doc-facts",), 512)
+    assert dict(sets.within_points) == {"loopserve B=1024": 3}
+    assert plan.choose(sets.plan, quick=True) == plan.RunPlan.preset(True)
+    assert plan.choose(sets.plan, quick=False, concurrency=2).concurrency == 2
+    assert plan.choose(None, quick=False) == plan.RunPlan.preset(False)
 
 
 def test_a_later_row_is_only_data():
@@ -50,7 +73,8 @@ def test_a_later_row_is_only_data():
 
 @pytest.mark.parametrize("text, match", [
     (VALID.replace('name = "trio"', 'name = "trio"\ncolour = 1'),
-     r"unknown key\(s\) \['colour'\]; valid keys: \['name', 'description', 'config'\]"),
+     r"unknown key\(s\) \['colour'\]; valid keys: \['name', 'description', 'config', "
+     r"'plan', 'checks'\]"),
     (VALID.replace('launcher = "stock"', 'launcher = "stock"\nflag = []'),
      r"#1: unknown key\(s\) \['flag'\]; valid keys: \['name', 'launcher', 'flags'"),
     (VALID.replace('name = "stock"\n', ""), r"#1: missing 'name'; valid keys: \['name'"),
@@ -72,6 +96,57 @@ def test_invalid_config_files(text, match):
         configset.loads(text, "x.toml")
 
 
+def test_plan_and_checks_tables():
+    sets = configset.loads(VALID + '[plan]\nlonggen = "long-context"\n'
+                           'longgen_max_tokens = 384\n'
+                           '[checks.within_points]\n"stock" = 2.5\n')
+    assert sets.plan == plan.RunPlan("default", ("doc-facts", "doc-outline"), 384)
+    assert sets.within_points == (("stock", 2.5),)
+    only_dataset = configset.loads(VALID + '[plan]\ndataset = "quick"\n').plan
+    assert only_dataset == plan.RunPlan("quick", ("long-division", "animals"), 1024)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ('[plan]\ndatasets = "quick"\n',
+     r"x.toml: \[plan\]: unknown key\(s\) \['datasets'\]; valid keys: \['dataset', "
+     r"'longgen', 'longgen_max_tokens'\]"),
+    ('[plan]\ndataset = "huge"\n', r"\[plan\]: unknown preset 'huge'; valid: \['default'"),
+    ('[plan]\nlonggen = ["doc-fact"]\n',
+     r"\[plan\]: unknown long-generation prompt\(s\) \['doc-fact'\]; valid: .*'doc-facts'"),
+    ('[plan]\nlonggen = "everything"\n',
+     r"longgen 'everything' is not a preset; valid presets: \['default', 'long-context'"),
+    ('[plan]\nlonggen = [1]\n', r"longgen must be a list of prompt names"),
+    ('[plan]\nlonggen_max_tokens = 0\n', r"longgen_max_tokens must be a positive integer"),
+    ('[plan]\nlonggen_max_tokens = "512"\n', r"longgen_max_tokens must be a positive"),
+    ('plan = 3\n', r"\[plan\] must be a table"),
+    ('[checks]\nwithin = 3\n',
+     r"\[checks\]: unknown key\(s\) \['within'\]; valid keys: \['within_points'\]"),
+    ('[checks.within_points]\n"loopserve" = 3\n',
+     r"names 'loopserve', not a row other than the reference; valid: \['stock'\]"),
+    ('[checks.within_points]\n"sgl_spec exact" = 3\n', r"not a row other than the reference"),
+    ('[checks.within_points]\n"stock" = -1\n', r"'stock' must be a number of points in \[0, 100\]"),
+    ('[checks.within_points]\n"stock" = "3"\n', r"must be a number of points"),
+], ids=["unknown-plan-key", "unknown-dataset", "unknown-prompt", "unknown-longgen-preset",
+        "longgen-not-names", "zero-budget", "string-budget", "plan-not-table",
+        "unknown-check-key", "check-unknown-row", "check-reference-row", "negative-points",
+        "string-points"])
+def test_invalid_plan_and_checks(extra, match):
+    # Top-level keys must come before the [[config]] tables.
+    text = extra + VALID if extra.startswith("plan =") else VALID + extra
+    with pytest.raises(ValueError, match=match):
+        configset.loads(text, "x.toml")
+
+
+def test_run_plan_renders_long_context_prompts():
+    p = plan.RunPlan("quick", ("animals", "doc-facts"), 512)
+    with pytest.raises(ValueError, match="'doc-facts' holds a 3000-token document"):
+        p.longgen_items()
+    items = p.longgen_items(WordTokenizer())
+    assert [(i.conversation.name, i.max_tokens, i.ignore_eos) for i in items] == [
+        ("longgen-animals", 512, False), ("longgen-doc-facts", 512, True)]
+    assert items == p.longgen_items(WordTokenizer())  # a pure function of the tokenizer
+
+
 def test_cli_help_and_bad_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["--help"])
@@ -90,7 +165,7 @@ def test_cli_help_and_bad_config_file(tmp_path, capsys):
 def test_run_plan_presets_and_validation():
     quick = runner.RunPlan.preset(True)
     assert quick.dataset == "quick" and quick.longgen_max_tokens == 256
-    assert [n for _, n in quick.longgen_items()] == [256]
+    assert [i.max_tokens for i in quick.longgen_items()] == [256]
     with pytest.raises(ValueError, match="valid: .*animals"):
         runner.RunPlan("quick", ("nope",), 256)
     with pytest.raises(ValueError, match="concurrency"):
@@ -165,7 +240,13 @@ def test_speed_by_history(convs):
     assert all(s["tpot_median_s"] == pytest.approx(0.05) for s in speed.values())
 
 
-def _three_rows(convs):
+SPARSE = {"chat": {"sparse_steps": 300, "decode_steps": 1200, "reselections": 20,
+                   "sparse_share": 0.25},
+          "longgen": {"sparse_steps": 496, "decode_steps": 511, "reselections": 31,
+                      "sparse_share": 496 / 511}}
+
+
+def _three_rows(convs, within_points=None):
     plan = runner.RunPlan("quick", ("animals",), 256)
     ref_chat, ref_lg = _results(convs, lambda t: t.answer)
     # "loopserve" loses begin-position questions and diverges on their tokens.
@@ -177,11 +258,11 @@ def _three_rows(convs):
                          ref_chat, ref_lg),
         runner.ConfigRun("sgl_spec exact", None, {"peak_rss_bytes": 2**31, "start_s": 21.0},
                          ref_chat, ref_lg),
-        runner.ConfigRun("loopserve B=512", None, None, ls_chat, ls_lg),
+        runner.ConfigRun("loopserve B=512", None, None, ls_chat, ls_lg, SPARSE),
     ]
     meta = {"configset": "trio", "started": "now", "model": "m", "dataset_preset": "custom",
             "concurrency": 1, "duration_s": 60.0}
-    return runner.build_results(meta, DATA, convs, plan, runs, "sgl_spec exact")
+    return runner.build_results(meta, DATA, convs, plan, runs, "sgl_spec exact", within_points)
 
 
 def test_results_figures(convs):
@@ -199,12 +280,68 @@ def test_results_figures(convs):
     assert exact["accuracy"]["overall"]["exact_match"] == 1.0
     assert res["dataset"]["stats"]["conversations"] == len(convs)
     assert list(res["acceptance"]) == [
+        "stock: exact match vs sgl_spec exact by query position",
         "stock: identical to sgl_spec exact",
         "sgl_spec exact: end-position this-turn EM, history < 2048 tokens",
+        "loopserve B=512: exact match vs sgl_spec exact by query position",
         "loopserve B=512: identical to sgl_spec exact",
     ]
+    assert res["acceptance"]["stock: exact match vs sgl_spec exact by query position"] == \
+        "begin +0.0, middle +0.0, end +0.0 points"
+    assert res["acceptance"]["loopserve B=512: exact match vs sgl_spec exact by query "
+                             "position"] == "begin -100.0, middle +0.0, end +0.0 points"
+    assert loop["sparse_decode"] == SPARSE
+    assert stock["sparse_decode"] == {"chat": None, "longgen": None}
     assert res["acceptance"]["sgl_spec exact: end-position this-turn EM, history < 2048 tokens"] \
         .endswith("PASS")
+
+
+@pytest.mark.parametrize("points, verdict", [
+    (100, "PASS"), (99.9, "FAIL"), (0, "FAIL")], ids=["loses-100-of-100", "loses-100-of-99.9",
+                                                      "loses-100-of-0"])
+def test_within_points_check(convs, points, verdict):
+    res = _three_rows(convs, {"loopserve B=512": points})
+    key = (f"loopserve B=512: exact match within {points:g} points of sgl_spec exact at "
+           "every query position")
+    assert res["checks"] == {"within_points": {"loopserve B=512": points}}
+    assert res["acceptance"][key] == (f"begin -100.0, middle +0.0, end +0.0 points (need >= "
+                                      f"{-points:g} each): {verdict}")
+    assert f"- {key}: begin -100.0" in tables.markdown(res)
+
+
+def test_position_deltas_without_questions(convs):
+    res = _three_rows(convs)
+    ref, loop = res["configs"][1], res["configs"][2]
+    del loop["accuracy"]["by_position"]["middle"]
+    assert runner.position_deltas(loop, ref) == {"begin": -100.0, "middle": None, "end": 0.0}
+    assert runner._position_check(loop, ref, 200).endswith("FAIL")  # a missing position
+
+
+PROM = """# HELP sgl_spec:decode_steps_total Request decode steps by attention path
+# TYPE sgl_spec:decode_steps_total counter
+sgl_spec:decode_steps_total{path="sparse"} 120.0
+sgl_spec:decode_steps_total{path="exact"} 30.0
+sgl_spec:decode_steps_total{path="sparse",pid="7"} 5.0
+sgl_spec:sparse_reselections_total 8.0
+sgl_spec:sparse_selected_tokens_sum 1000.0
+sglang:num_running_reqs{model_name="m"} 0.0
+"""
+
+
+def test_sparse_counters_parse_and_delta():
+    after = sparse_counters.parse(PROM)
+    assert after == sparse_counters.SparseCounters(125.0, 30.0, 8.0)
+    assert sparse_counters.parse("sglang:num_running_reqs 0.0\n") is None  # stock, exact
+    before = sparse_counters.SparseCounters(25.0, 10.0, 2.0)
+    assert sparse_counters.delta(after, before) == {
+        "sparse_steps": 100, "decode_steps": 120, "reselections": 6, "sparse_share": 100 / 120}
+    assert sparse_counters.delta(after, None)["decode_steps"] == 155
+    assert sparse_counters.delta(None, before) is None
+    assert sparse_counters.delta(before, before)["sparse_share"] is None  # no decode steps
+
+
+def test_sparse_counters_read_without_metrics():
+    assert sparse_counters.read("http://127.0.0.1:9") is None  # nothing listens: '-'
 
 
 def test_markdown_takes_a_third_row(convs):
@@ -223,7 +360,10 @@ def test_markdown_takes_a_third_row(convs):
     assert "| sgl_spec exact (reference) |" in md
     assert "| stock | 1.00 (1.00)" in md
     speed = next(r for r in md.splitlines() if r.startswith("| stock | ") and "3.00" in r)
-    assert "| 20.0 |" in speed
+    assert speed.endswith("| - | - | 3.00 | 20.0 |")  # no sparse-decode counters
+    assert "| sparse decode steps chat | sparse decode steps long-gen |" in md
+    loop_speed = [r for r in md.splitlines() if r.startswith("| loopserve B=512 |")][-1]
+    assert "| 300/1200 (0.25) | 496/511 (0.97) |" in loop_speed
 
 
 def test_plots_written(convs, tmp_path):
@@ -252,7 +392,7 @@ def test_a_server_that_does_not_come_up(monkeypatch, tmp_path):
     cfg = configset.ServerConfig("broken row", "broken", ("--x",))
     progress = runner._Progress(1)
     with pytest.raises(runner.ServerStartError) as exc:
-        runner.run_config(cfg, "/m", runner.RunPlan.preset(True), [], 32, str(tmp_path),
+        runner.run_config(cfg, "/m", runner.RunPlan.preset(True), [], [], 32, str(tmp_path),
                           progress)
     progress.close()
     msg = str(exc.value)

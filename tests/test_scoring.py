@@ -152,7 +152,7 @@ def test_longgen_prompts():
     assert any("List 300 different animals" in p.prompt for p in prompts)
     work = prompts[0].to_workload()
     assert work.name == "longgen-animals" and work.user_turns == (prompts[0].prompt,)
-    with pytest.raises(ValueError, match=r"\['default', 'quick'\]"):
+    with pytest.raises(ValueError, match=r"\['default', 'long-context', 'quick'\]"):
         longgen.prompts("long")
 
 
@@ -160,6 +160,49 @@ def test_longgen_prompts():
 def test_longgen_prompt_validation(max_tokens):
     with pytest.raises(ValueError, match="1024, 4096"):
         longgen.LongGenPrompt("x", "Write.", max_tokens)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"context_tokens": -1}, "context_tokens must be >= 0"),
+    ({"facts": 3}, "facts must be in .* need context_tokens > 0"),
+    ({"context_tokens": 100, "facts": 99}, r"facts must be in \[0, 32\]"),
+    ({"context_tokens": 7000}, "over the 8192-token window"),
+], ids=["negative-context", "facts-without-context", "too-many-facts", "over-window"])
+def test_long_context_prompt_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        longgen.LongGenPrompt("x", "Write.", 2048, **kwargs)
+
+
+def test_long_context_prompts_stub_tokenizer(tok):
+    p = next(p for p in longgen.PROMPTS if p.name == "doc-facts")
+    assert [q.name for q in longgen.prompts("long-context")] == ["doc-facts", "doc-outline"]
+    assert p.needs_tokenizer and p.ignore_eos
+    with pytest.raises(ValueError, match="pass the tokenizer"):
+        p.render()
+    text = p.render(tok)
+    assert text == p.render(tok)  # deterministic
+    assert text.startswith(longgen.DOC_INTRO + "\n\n") and text.endswith("\n\n" + p.prompt)
+    doc, facts = longgen.document_with_facts(tok, p.context_tokens, p.facts, p.seed)
+    assert text == f"{longgen.DOC_INTRO}\n\n{doc}\n\n{p.prompt}"
+    assert len(facts) == 8 and len({f.object for f in facts}) == 8
+    assert all(doc.count(f.sentence) == 1 for f in facts)
+    assert len({f.value for f in facts}) == 8
+    assert len(tok.encode(doc)) <= p.context_tokens
+    other = next(q for q in longgen.PROMPTS if q.name == "doc-outline")
+    assert other.render(tok).split("\n\n")[1] != text.split("\n\n")[1]  # other seed
+
+
+def test_long_context_prompts_real_tokenizer(hf_tok):
+    """The history is over --spec-min-context (2048) from the first decode step."""
+    for p in longgen.prompts("long-context"):
+        text = p.render(hf_tok)
+        assert text == p.render(hf_tok)
+        chat = hf_tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True)
+        n = len(hf_tok.encode(chat, add_special_tokens=False))
+        assert 2048 < 0.95 * p.context_tokens <= n
+        assert n - p.context_tokens <= longgen.PROMPT_OVERHEAD_TOKENS
+        assert n + p.max_tokens <= 8192
 
 
 def test_longgen_score():

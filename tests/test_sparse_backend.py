@@ -74,11 +74,13 @@ def plan(dec, pool, rids, rows):
 # ------------------------------------------------------------------ decoder vs policy
 
 
-def test_decoder_matches_policy_and_reference_kernel():
+@pytest.mark.parametrize("impl", ["torch-cached", "torch"])
+def test_decoder_matches_policy_and_reference_kernel(impl):
     """Rows, reselection keys and pool rows reach the policy and the kernel intact:
     the decoder's output equals a directly driven policy's subsets through the
-    per-head reference, and exactly the dense rows are left to the caller."""
-    dec = SparseDecoder(get_policy("loopserve", PARAMS, SHAPE))
+    per-head reference, and exactly the dense rows are left to the caller. With
+    the cached impl a stale sink + selection (kept past a reselection) would differ."""
+    dec = SparseDecoder(get_policy("loopserve", PARAMS, SHAPE), impl=impl)
     twin = get_policy("loopserve", PARAMS, SHAPE)
     pool = FakePool()
     rids, rows, prompts = ["long", "short", "mid"], [3, 0, 5], [100, 20, 60]
@@ -115,6 +117,17 @@ def test_decoder_matches_policy_and_reference_kernel():
     assert seen_sparse == {"long", "mid"}
     assert dec.stats.reselections == 4
     assert dec.stats.sparse_steps == 2 * 6 and dec.stats.exact_steps == 3 * 10 - 12
+    if impl == "torch-cached":
+        assert sorted(dec._fixed) == ["long", "mid"]  # one entry per layer each
+        assert all(len(per_layer) == SHAPE.num_layers for per_layer in dec._fixed.values())
+    for rid in rids:
+        dec.release(rid)
+    assert dec.live_states == 0 and not dec._fixed
+
+
+def test_decoder_rejects_unknown_impl():
+    with pytest.raises(ValueError, match="valid: torch-cached, torch, triton, flashinfer"):
+        SparseDecoder(get_policy("loopserve", PARAMS, SHAPE), impl="cuda")
 
 
 def _planted(dirs, planted, noise_gen):
@@ -173,7 +186,39 @@ def test_all_rows_exact_below_min_context_or_when_budget_covers():
                 q = torch.randn(2, SHAPE.num_q_heads, SHAPE.head_dim)
                 out, exact = run_decode(dec, pool, [0, 1], q, layer)
                 assert exact == [0, 1] and torch.isnan(out).all()
+            assert not dec.planned  # the backend makes exact mode's call
         assert (dec.stats.sparse_steps, dec.stats.exact_steps, dec.stats.reselections) == (0, 18, 0)
+
+
+def test_history_crossing_min_context_skips_layers_until_its_queries_matter():
+    """A prompt just under min_context: steps whose queries no sparse selection can
+    use skip the layers (not planned); the first sparse selection sees the same
+    ring, hence selects the same positions, as a policy fed every query."""
+    dec = SparseDecoder(get_policy("loopserve", PARAMS, SHAPE))
+    twin = get_policy("loopserve", PARAMS, SHAPE)
+    pool = FakePool(seed=3)
+    pool.append(0, 26)
+    twin.start("r", 26)
+    planned = []
+    for _ in range(10):
+        pool.append(0)
+        plan(dec, pool, ["r"], [0])
+        planned.append(dec.planned)
+        reselect = twin.step("r", pool.lens[0])
+        for layer in range(SHAPE.num_layers):
+            q = torch.randn(1, SHAPE.num_q_heads, SHAPE.head_dim, generator=pool.gen)
+            if dec.planned:
+                run_decode(dec, pool, [0], q, layer)
+            twin.decode_layer("r", layer, q[0], pool.history(layer, 0) if reselect else None)
+    # seq 27, 28 skip (even 3 steps later the history is < 32); from seq 29 on the
+    # query may be in the ring of a sparse selection; step 4 (seq 31) selects
+    # densely, step 8 (seq 35) sparsely.
+    assert planned == [False, False] + [True] * 8
+    st, want = dec.policy.states.get("r"), twin.states.get("r")
+    assert not st.dense and st.recent_start == want.recent_start == 35 - PARAMS.window
+    for layer in range(SHAPE.num_layers):
+        assert torch.equal(st.sel[layer], want.sel[layer])
+    assert dec.stats.exact_steps == 2 + 6 and dec.stats.sparse_steps == 2
 
 
 class FakeMetrics:

@@ -164,6 +164,22 @@ def test_score_history_equals_naive_softmax(heads, causal):
     torch.testing.assert_close(got.sum(), torch.tensor(5.0 * hq))
 
 
+def test_score_history_bf16_keys_close_to_fp32():
+    # 16-bit keys take a 16-bit matmul: scores stay within 2% of the fp32 ones,
+    # and the top positions are the same.
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(16, 9, 64, generator=g)
+    k = torch.randn(2000, 3, 64, generator=g)
+    u = q.reshape(16, 3, 3, 64).mean((0, 2))  # [Hkv, D] the group's mean query
+    k[[100, 700, 1500]] = 12 * u / u.norm(dim=-1, keepdim=True)  # planted keys
+    q_pos = torch.arange(1984, 2000)
+    ref = score_history(q, k, 64**-0.5, q_pos)
+    got = score_history(q.bfloat16(), k.bfloat16(), 64**-0.5, q_pos)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.mean().item())
+    assert got.topk(3).indices.sort().values.tolist() == [[100, 700, 1500]] * 3
+
+
 def test_select_topk_excludes_sink_and_window():
     scores = torch.arange(20.0).repeat(2, 1)  # highest at the end: inside the window
     sel = select_topk(scores, budget=5, lo=2, hi=15)

@@ -14,6 +14,9 @@ or, for an extend pass (SnapKV only does work here):
 A row is exact (the caller runs its dense path) when the request has no state or
 the policy returns a dense subset for it: history < ``min_context``, budget + sink +
 window cover it, or the policy has not selected yet (LoopServe before step 16).
+Rows whose policy says at plan time that no layer needs them
+(``attends_layers``) skip ``decode_layer`` entirely, and a pass made only of such
+rows is not ``planned``: the backend makes exact mode's call, at exact mode's cost.
 
 State lifetime: a request's state is created on its first decode step (SnapKV: at
 the end of its prefill, prompts >= ``min_context`` only), keyed by rid, and freed
@@ -37,13 +40,23 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from sgl_spec.kernels.sparse_decode import sparse_decode
+from sgl_spec.kernels.sparse_decode import IMPLS, sparse_decode
+from sgl_spec.kernels.sparse_decode.torch_cached import (
+    FixedKV,
+    gather_fixed,
+    sparse_decode_cached,
+)
 from sgl_spec.sparse import SelectionPolicy, Subset, pack_subsets
 
 logger = logging.getLogger(__name__)
 
 # Forward passes a tracked request may be absent from before its state is dropped.
 STALE_AFTER = 512
+# "torch-cached": the sink + selection of each (request, layer) is gathered once per
+# selection and kept (``kernels.sparse_decode.torch_cached``); each step reads only
+# the recent window from the pool. The others run ``sparse_decode`` every step.
+CACHED = "torch-cached"
+DECODER_IMPLS = (CACHED, *IMPLS)
 
 
 class Metrics(Protocol):
@@ -85,12 +98,14 @@ class SparseDecoder:
         self,
         policy: SelectionPolicy,
         *,
-        impl: str = "torch",
+        impl: str = CACHED,
         metrics: Metrics | None = None,
         stale_after: int = STALE_AFTER,
     ):
         if stale_after < 1:
             raise ValueError(f"stale_after must be >= 1, got {stale_after}")
+        if impl not in DECODER_IMPLS:
+            raise ValueError(f"impl {impl!r} is invalid; valid: {', '.join(DECODER_IMPLS)}")
         self.policy = policy
         self.params = policy.params
         self.impl = impl
@@ -99,7 +114,10 @@ class SparseDecoder:
         self.stats = DecodeStats()
         self._forward = 0  # forward passes planned
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
+        # impl "torch-cached": rid -> layer -> (the selection it was gathered for, K/V)
+        self._fixed: dict[str, dict[int, tuple[torch.Tensor, FixedKV]]] = {}
         self._rows: list[_Row] = []
+        self._attending = 0  # rows of _rows with a policy state that attends layers
         self._prefill: list[_PrefillRow] = []
         self._counted = True  # this pass's request-steps are in stats
 
@@ -111,6 +129,7 @@ class SparseDecoder:
 
     def release(self, rid: str) -> None:
         """Free the request's state (finished, aborted, retracted). Unknown rids are fine."""
+        self._fixed.pop(rid, None)
         if self._last_seen.pop(rid, None) is not None:
             self.policy.release(rid)
             if self.metrics is not None:
@@ -137,14 +156,15 @@ class SparseDecoder:
 
     def clear_plan(self) -> None:
         """A pass the decoder does not serve (idle, speculative): everything exact."""
-        self._rows, self._prefill = [], []
+        self._rows, self._prefill, self._attending = [], [], 0
 
     # ------------------------------------------------------------ decode
 
     @property
     def planned(self) -> bool:
-        """Whether the current pass has decode rows (forward_decode goes through here)."""
-        return bool(self._rows)
+        """Whether some decode row of the pass needs the layers (forward_decode goes
+        through here); else the pass is exact mode's very call."""
+        return self._attending > 0
 
     def plan_decode(
         self, rids: Sequence[str], seq_lens: Sequence[int], pool_rows: Sequence[int]
@@ -165,9 +185,15 @@ class SparseDecoder:
             self._last_seen[rid] = self._forward
             reselect = self.policy.step(rid, n)
             reselections += reselect
+            if not self.policy.attends_layers(rid):
+                rows.append(_Row(None, n, row, False))  # dense, no per-layer work
+                continue
             rows.append(_Row(rid, n, row, reselect))
         self._rows = rows
-        self._counted = False
+        self._attending = sum(r.rid is not None for r in rows)
+        self._counted = self._attending == 0
+        if self._counted:  # decode_layer will not run: count the pass here
+            self._count(list(range(len(rows))), [], [])
         if reselections:
             self.stats.reselections += reselections
             if self.metrics is not None:
@@ -209,15 +235,37 @@ class SparseDecoder:
                 subsets.append(sub)
         if sparse:
             idx = torch.tensor(sparse, device=q.device)
-            packed = pack_subsets(subsets, k_buf.shape[1], q.device)
-            out[idx] = sparse_decode(
-                q[idx], k_buf, v_buf, req_to_token, req_pool_indices[idx], seq_lens[idx],
-                *packed, sink=self.params.sink, scale=scale, impl=self.impl,
-            )
+            if self.impl == CACHED:
+                fixed = [self._fixed_kv(layer, b, sub, k_buf, v_buf, req_to_token)
+                         for b, sub in zip(sparse, subsets)]
+                recent = torch.tensor([s.recent_start for s in subsets], device=q.device)
+                out[idx] = sparse_decode_cached(
+                    q[idx], fixed, k_buf, v_buf, req_to_token, req_pool_indices[idx],
+                    seq_lens[idx], recent, scale=scale,
+                )
+            else:
+                packed = pack_subsets(subsets, k_buf.shape[1], q.device)
+                out[idx] = sparse_decode(
+                    q[idx], k_buf, v_buf, req_to_token, req_pool_indices[idx], seq_lens[idx],
+                    *packed, sink=self.params.sink, scale=scale, impl=self.impl,
+                )
         if not self._counted:  # the pass's first layer speaks for the request-step
             self._counted = True
             self._count(exact, sparse, subsets)
         return exact
+
+    def _fixed_kv(self, layer: int, b: int, sub: Subset, k_buf, v_buf, req_to_token) -> FixedKV:
+        """Row b's sink + selection in this layer, gathered again only when the policy
+        hands out a new selection (a policy returns the same tensor until it reselects)."""
+        r = self._rows[b]
+        sink_end = min(self.params.sink, r.seq_len)
+        per_layer = self._fixed.setdefault(r.rid, {})
+        hit = per_layer.get(layer)
+        if hit is None or hit[0] is not sub.sel_idx or hit[1].sink_end != sink_end:
+            fixed = gather_fixed(k_buf, v_buf, req_to_token[r.pool_row], sub.sel_idx, None,
+                                 sink_end)
+            hit = per_layer[layer] = (sub.sel_idx, fixed)
+        return hit[1]
 
     def _count(self, exact: list[int], sparse: list[int], subsets: list[Subset]) -> None:
         selected = []
@@ -254,7 +302,7 @@ class SparseDecoder:
         keep their state and attend exactly in this pass.
         """
         self._forward += 1
-        self._rows, self._prefill = [], []
+        self._rows, self._prefill, self._attending = [], [], 0
         states = self.policy.states
         q_end = 0
         for rid, n, e, row in zip(rids, seq_lens, extend_lens, pool_rows, strict=True):

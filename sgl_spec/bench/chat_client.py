@@ -14,10 +14,20 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from sgl_spec.bench.workloads import Conversation
 
 TOP_LOGPROBS = 2
+
+
+class PlayItem(NamedTuple):
+    """One conversation to play and its per-turn answer budget. ``ignore_eos`` asks
+    the server for exactly ``max_tokens`` tokens (fixed-length long generations)."""
+
+    conversation: Conversation
+    max_tokens: int
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,15 +64,16 @@ def _sha1(ids: list[int]) -> str:
 
 
 def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
-                conversation: str, turn: int) -> TurnResult:
+                conversation: str, turn: int, ignore_eos: bool = False) -> TurnResult:
     """Send one chat request and collect its timing, ids, logprobs and usage."""
+    extra = {"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+    if ignore_eos:  # only then, so that other requests stay byte-identical to before
+        extra["ignore_eos"] = True
     start = time.perf_counter()
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
         stream=True, stream_options={"include_usage": True},
-        logprobs=True, top_logprobs=TOP_LOGPROBS,
-        extra_body={"return_input_ids_in_sglext": True,
-                    "return_output_ids_in_sglext": True},
+        logprobs=True, top_logprobs=TOP_LOGPROBS, extra_body=extra,
     )
     ttft = None
     end = None
@@ -113,7 +124,8 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
 
 def play(client, model: str, conversation: Conversation, max_tokens: int,
          history: list[str] | None = None,
-         on_turn: Callable[[TurnResult], None] | None = None) -> list[TurnResult]:
+         on_turn: Callable[[TurnResult], None] | None = None,
+         ignore_eos: bool = False) -> list[TurnResult]:
     """Play ``conversation`` turn by turn; returns one ``TurnResult`` per turn.
 
     The assistant messages in the history are this server's own answers, or, when
@@ -130,7 +142,8 @@ def play(client, model: str, conversation: Conversation, max_tokens: int,
     results = []
     for i, user in enumerate(conversation.user_turns):
         messages.append({"role": "user", "content": user})
-        result = stream_turn(client, model, messages, max_tokens, conversation.name, i + 1)
+        result = stream_turn(client, model, messages, max_tokens, conversation.name, i + 1,
+                             ignore_eos)
         results.append(result)
         if on_turn is not None:
             on_turn(result)

@@ -11,6 +11,14 @@ A configuration set names the rows of one evaluation run::
     flags = ["--spec-mode", "exact"] # extra launch flags (optional)
     reference = true                 # exactly one row: agreement is measured against it
 
+    [plan]                           # optional: what every row plays (``plan.parse``)
+    dataset = "default"
+    longgen = ["doc-facts"]
+    longgen_max_tokens = 512
+
+    [checks.within_points]           # optional: row -> the most exact-match points it
+    "loopserve B=1024" = 3           # may lose to the reference at any query position
+
 Later attention modes add rows (``loopserve B=512``) to such a file; the runner and
 the report take any number of rows. The harness owns ``--model-path``, ``--host``
 and ``--port`` and adds ``COMMON_FLAGS`` to every server.
@@ -23,13 +31,17 @@ import tomllib
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from sgl_spec.bench import plan as run_plan
 from sgl_spec.bench.server import SPEC, STOCK
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
 
 # Flags every server gets, so that only a row's own flags differ between rows.
-COMMON_FLAGS: tuple[str, ...] = ("--max-total-tokens", "32768", "--enable-cache-report")
+# Metrics are observational (outputs do not change); sparse modes export their
+# decode-step counters there, which the runner reads.
+COMMON_FLAGS: tuple[str, ...] = ("--max-total-tokens", "32768", "--enable-cache-report",
+                                 "--enable-metrics")
 # Flags the harness sets itself; a row may not.
 OWNED_FLAGS: tuple[str, ...] = ("--model-path", "--model", "--host", "--port")
 
@@ -46,7 +58,8 @@ LAUNCHERS: dict[str, Launcher] = {
     "sgl_spec": Launcher(SPEC, ()),
 }
 
-SET_KEYS: tuple[str, ...] = ("name", "description", "config")
+SET_KEYS: tuple[str, ...] = ("name", "description", "config", "plan", "checks")
+CHECK_KEYS: tuple[str, ...] = ("within_points",)
 CONFIG_KEYS: tuple[str, ...] = ("name", "launcher", "flags", "reference", "description")
 
 
@@ -95,9 +108,15 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ConfigSet:
+    """The rows, and optionally the plan they all play and per-row accuracy checks:
+    ``within_points`` pairs a row with the most exact-match points (0-100) it may
+    lose to the reference at any query position."""
+
     name: str
     configs: tuple[ServerConfig, ...]
     description: str = ""
+    plan: run_plan.RunPlan | None = None
+    within_points: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -116,6 +135,16 @@ class ConfigSet:
         if len(refs) != 1:
             raise ValueError(f"configuration set {self.name!r}: exactly one row must have "
                              f"reference = true (exact attention), found {len(refs)}: {refs}")
+        for row, points in self.within_points:
+            if row not in names or row == refs[0]:
+                raise ValueError(f"configuration set {self.name!r}: [checks.within_points] "
+                                 f"names {row!r}, not a row other than the reference; "
+                                 f"valid: {[n for n in names if n != refs[0]]}")
+            if isinstance(points, bool) or not isinstance(points, (int, float)) \
+                    or not 0 <= points <= 100:
+                raise ValueError(f"configuration set {self.name!r}: [checks.within_points] "
+                                 f"{row!r} must be a number of points in [0, 100], "
+                                 f"got {points!r}")
 
     @property
     def reference(self) -> ServerConfig:
@@ -156,8 +185,18 @@ def parse(doc: dict, source: str = "<configs>") -> ConfigSet:
             ))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+    plan = run_plan.parse(doc["plan"], f"{source}: [plan]") if "plan" in doc else None
+    checks = doc.get("checks", {})
+    if not isinstance(checks, dict):
+        raise ValueError(f"{source}: [checks] must be a table; valid keys: {list(CHECK_KEYS)}")
+    _check_keys(checks, CHECK_KEYS, f"{source}: [checks]")
+    within = checks.get("within_points", {})
+    if not isinstance(within, dict):
+        raise ValueError(f"{source}: [checks] within_points must be a table of row name = "
+                         f"points, got {within!r}")
     try:
-        return ConfigSet(doc["name"], tuple(configs), doc.get("description", ""))
+        return ConfigSet(doc["name"], tuple(configs), doc.get("description", ""), plan,
+                         tuple(within.items()))
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
 

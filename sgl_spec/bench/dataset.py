@@ -215,7 +215,7 @@ def _word_in(word: str, text: str) -> bool:
     return re.search(rf"\b{re.escape(word)}\b", text, re.IGNORECASE) is not None
 
 
-def _draw_values(rng: random.Random, kinds: list[str], prose: str) -> list[str]:
+def draw_values(rng: random.Random, kinds: list[str], prose: str) -> list[str]:
     """One value per fact: distinct, and absent from the conversation's prose."""
     used: set[str] = set()
     out = []
@@ -229,7 +229,7 @@ def _draw_values(rng: random.Random, kinds: list[str], prose: str) -> list[str]:
     return out
 
 
-def _plant(rng: random.Random, prose: str, sentences: list[str]) -> str:
+def plant(rng: random.Random, prose: str, sentences: list[str]) -> str:
     """``sentences`` inserted after sentence ends of ``prose``, one per equal share
     of the sentence ends, so that facts spread over the whole context."""
     cuts = [0] + [m.end() for m in _SENTENCE_END.finditer(prose)]
@@ -305,14 +305,14 @@ def _conversation(tokenizer: corpus.Tokenizer, name: str, seed: int, n_turns: in
                                               kinds[asked[t]], "1234").question) + 4
         sizes.append(size - overhead)
     prose = [corpus.join(chunk) for chunk in corpus.chunks(tokenizer, sizes, seed)]
-    values = _draw_values(rng, kinds, "\n".join(prose))
+    values = draw_values(rng, kinds, "\n".join(prose))
     facts = [Fact(i // facts_per_turn, colours[i], objects[i], kinds[i], values[i])
              for i in range(n_facts)]
 
     turns = []
     for t in range(n_turns):
         planted = tuple(facts[t * facts_per_turn: (t + 1) * facts_per_turn])
-        context = _plant(rng, prose[t], [f.sentence for f in planted])
+        context = plant(rng, prose[t], [f.sentence for f in planted])
         fact = facts[asked[t]]
         message = place(fact.question, context, positions[t])
         turns.append(Turn(
@@ -401,5 +401,5 @@ def from_jsonl(path: str) -> list[Conversation]:
 
 __all__ = [
     "POSITIONS", "SOURCES", "DatasetConfig", "Fact", "Turn", "Conversation",
-    "generate", "place", "stats", "to_jsonl", "from_jsonl",
+    "generate", "place", "plant", "draw_values", "stats", "to_jsonl", "from_jsonl",
 ]

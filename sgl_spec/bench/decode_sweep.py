@@ -10,10 +10,11 @@ TTFT); a batch of 4 sends 4 different prompts of the same length at once and sum
 them. Medians over repeats. Writes ``results.json``, ``results.md`` (tok/s and the
 ratios of ``RATIOS``) and ``decode_speed.png``.
 
-Every server gets ``--enable-metrics`` so that only a row's own flags differ;
-loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters (read before and after
-each point) say how many request-steps attended a sparse subset. LoopServe decodes
-exactly before its first selection (step 16) and below ``--spec-min-context``.
+Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only a
+row's own flags differ; loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters
+(``sparse_counters``, read before and after each point) say how many request-steps
+attended a sparse subset. LoopServe decodes exactly before its first selection
+(step 16) and below ``--spec-min-context``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from sgl_spec.bench import plots, provenance
+from sgl_spec.bench import plots, provenance, sparse_counters
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
@@ -42,11 +42,10 @@ CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig("sgl_spec exact", "sgl_spec", ("--spec-mode", "exact")),
     ServerConfig(LOOPSERVE, "sgl_spec", ("--spec-mode", "loopserve", "--spec-budget", "1024")),
 )
-SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle", "--enable-metrics")
+SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)
 RATIOS: tuple[tuple[str, str], ...] = ((LOOPSERVE, "stock"), (LOOPSERVE, "sgl_spec exact"),
                                        ("sgl_spec exact", "stock"))
 PNG = "decode_speed.png"
-_STEPS = re.compile(r'^sgl_spec:decode_steps_total\{[^}]*path="(\w+)"[^}]*\}\s+(\S+)', re.M)
 
 
 @dataclass(frozen=True)
@@ -112,10 +111,8 @@ def generate(url: str, ids: list[int], n: int) -> dict:
 
 def decode_steps(url: str) -> dict[str, float]:
     """``sgl_spec:decode_steps_total`` by path (empty when the server has none)."""
-    steps: dict[str, float] = {}
-    for path, value in _STEPS.findall(requests.get(url + "/metrics", timeout=30).text):
-        steps[path] = steps.get(path, 0.0) + float(value)
-    return steps
+    counts = sparse_counters.read(url)
+    return {} if counts is None else {"sparse": counts.sparse, "exact": counts.exact}
 
 
 def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:

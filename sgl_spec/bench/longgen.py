@@ -7,30 +7,71 @@ scored against exact attention's output for the same prompt by
 ``scoring.greedy_agreement``: tokens generated before the first divergence, and the
 share of matching positions. The prompt list is fixed, so every run asks the same.
 
-    >>> for p in prompts("default"):
-    ...     conv = p.to_workload()             # play with max_tokens=p.max_tokens
+Short prompts never reach ``--spec-min-context`` (2048) within a few thousand
+generated tokens, so sparse decode would not act on them. Long-context prompts
+(``context_tokens > 0``) put a corpus document with planted facts
+(``document_with_facts``) before the instruction, so the history is long from the
+first decode step; they are rendered offline with the model's tokenizer, a pure
+function of (prompt, tokenizer).
+
+    >>> for p in prompts("long-context"):
+    ...     conv = p.to_workload(tokenizer)    # play with max_tokens=p.max_tokens
     >>> score(reference_ids, candidate_ids)    # Agreement(prefix, share)
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sgl_spec.bench import scoring, workloads
+from sgl_spec.bench import corpus, dataset, scoring, workloads
 
 MIN_TOKENS = 1024
 MAX_TOKENS = 4096
+# Chat template and the lines around the document (measured by the tests).
+PROMPT_OVERHEAD_TOKENS = 64
+DOC_INTRO = "Read the following document."
+
+
+def document_with_facts(tokenizer: corpus.Tokenizer, n_tokens: int, n_facts: int,
+                        seed: int) -> tuple[str, tuple[dataset.Fact, ...]]:
+    """About ``n_tokens`` tokens of corpus prose (at most that many) with ``n_facts``
+    facts ("The secret code of the blue lighthouse is 4817.") planted at sentence
+    ends spread over the whole text, as the QA dataset plants them."""
+    rng = random.Random(seed)
+    objects = rng.sample(dataset.OBJECTS, n_facts)
+    colours = [rng.choice(dataset.COLOURS) for _ in objects]
+    kinds = [rng.choice(sorted(dataset.KINDS)) for _ in objects]
+    # A 4-digit placeholder stands for the values (1-4 tokens) while sizing the prose.
+    overhead = sum(len(tokenizer.encode(" " + dataset.Fact(0, c, o, k, "1234").sentence,
+                                        add_special_tokens=False))
+                   for c, o, k in zip(colours, objects, kinds))
+    prose = corpus.document(tokenizer, n_tokens - overhead, seed)
+    values = dataset.draw_values(rng, kinds, prose)
+    facts = tuple(dataset.Fact(0, c, o, k, v)
+                  for c, o, k, v in zip(colours, objects, kinds, values))
+    return dataset.plant(rng, prose, [f.sentence for f in facts]), facts
 
 
 @dataclass(frozen=True)
 class LongGenPrompt:
-    """One prompt and its output budget; a small model may stop early, so the
-    harness may also ask the server to ignore EOS for fixed-length outputs."""
+    """One prompt and its output budget.
+
+    ``prompt`` is the instruction. With ``context_tokens > 0`` a document of about
+    that many tokens (``document_with_facts``: ``facts`` planted facts, drawn with
+    ``seed``) precedes it, and rendering needs the model's tokenizer. A small model
+    may stop early; ``ignore_eos`` asks the server for exactly the budget, so that
+    every configuration decodes the same number of long-history steps.
+    """
 
     name: str
     prompt: str
     max_tokens: int
+    context_tokens: int = 0
+    facts: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not MIN_TOKENS <= self.max_tokens <= MAX_TOKENS:
@@ -40,9 +81,35 @@ class LongGenPrompt:
             )
         if not self.name or not self.prompt.strip():
             raise ValueError(f"a prompt needs a name and text, got {self.name!r}")
+        if self.context_tokens < 0:
+            raise ValueError(f"{self.name}: context_tokens must be >= 0, "
+                             f"got {self.context_tokens}")
+        if not 0 <= self.facts <= len(dataset.OBJECTS) or (self.facts and
+                                                           not self.context_tokens):
+            raise ValueError(f"{self.name}: facts must be in [0, {len(dataset.OBJECTS)}] and "
+                             f"need context_tokens > 0, got facts={self.facts}, "
+                             f"context_tokens={self.context_tokens}")
+        need = self.context_tokens + PROMPT_OVERHEAD_TOKENS + self.max_tokens
+        if need > workloads.CONTEXT_LEN:
+            raise ValueError(f"{self.name}: context_tokens + max_tokens needs ~{need} "
+                             f"tokens, over the {workloads.CONTEXT_LEN}-token window")
 
-    def to_workload(self) -> workloads.Conversation:
-        return workloads.Conversation(f"longgen-{self.name}", (self.prompt,))
+    @property
+    def needs_tokenizer(self) -> bool:
+        return self.context_tokens > 0
+
+    def render(self, tokenizer: corpus.Tokenizer | None = None) -> str:
+        """The user message: the instruction, after the document if there is one."""
+        if not self.needs_tokenizer:
+            return self.prompt
+        if tokenizer is None:
+            raise ValueError(f"long-generation prompt {self.name!r} holds a "
+                             f"{self.context_tokens}-token document: pass the tokenizer")
+        doc, _ = document_with_facts(tokenizer, self.context_tokens, self.facts, self.seed)
+        return f"{DOC_INTRO}\n\n{doc}\n\n{self.prompt}"
+
+    def to_workload(self, tokenizer: corpus.Tokenizer | None = None) -> workloads.Conversation:
+        return workloads.Conversation(f"longgen-{self.name}", (self.render(tokenizer),))
 
 
 PROMPTS: tuple[LongGenPrompt, ...] = (
@@ -67,15 +134,28 @@ PROMPTS: tuple[LongGenPrompt, ...] = (
                   "sentence of explanation.", 4096),
     LongGenPrompt("recipes", "Give 20 simple recipes. For each one, list the "
                   "ingredients and then the numbered steps to cook it.", 4096),
+    # Long context: ~3k-token histories from the first decode step, over
+    # --spec-min-context, and output that has to look back into the document.
+    LongGenPrompt("doc-facts", "List every fact stated in the document above, "
+                  "numbered, one per line. Then summarise each paragraph of the "
+                  "document in order, numbered, in two or three sentences each.",
+                  2048, context_tokens=3000, facts=8, seed=0, ignore_eos=True),
+    LongGenPrompt("doc-outline", "Rewrite the document above as a detailed outline: "
+                  "one numbered heading per paragraph, in order, and under each heading "
+                  "every statement of that paragraph as a bullet point, keeping all "
+                  "names and numbers.", 2048, context_tokens=3000, facts=8, seed=1,
+                  ignore_eos=True),
 )
 PRESETS: dict[str, tuple[str, ...]] = {
     "default": tuple(p.name for p in PROMPTS),
     "quick": ("animals", "long-division"),
+    "long-context": ("doc-facts", "doc-outline"),
 }
 
 
 def prompts(preset: str = "default") -> list[LongGenPrompt]:
-    """The prompts of ``preset`` ("default": all, "quick": two), in a fixed order."""
+    """The prompts of ``preset`` ("default": all, "quick": two short ones,
+    "long-context": the document prompts), in a fixed order."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid: {sorted(PRESETS)}")
     by_name = {p.name: p for p in PROMPTS}

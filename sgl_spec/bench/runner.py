@@ -9,6 +9,10 @@ Two ways to run (``python -m sgl_spec.bench``):
   same prompts; each plays its own answers as the chat history, so accuracy is what
   a user of that configuration would see.
 
+What is played is a ``plan.RunPlan``. Around each workload the runner reads the
+server's sparse-decode counters (``sparse_counters``), so the report says how many
+decode steps actually attended a KV subset.
+
 Conversations run ``concurrency`` at a time; the turns of one conversation are
 sequential. The figures are computed by ``summary``, the table by ``tables`` and
 the plots by ``plots``.
@@ -23,15 +27,17 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import NamedTuple
 
 import requests
 
-from sgl_spec.bench import chat_client, longgen, plots, provenance, summary, tables, workloads
+from sgl_spec.bench import chat_client, plots, provenance, sparse_counters, summary, tables
+from sgl_spec.bench.chat_client import PlayItem
 from sgl_spec.bench.compare import _flush_cache, _warmup
 from sgl_spec.bench.configset import ConfigSet, ServerConfig
-from sgl_spec.bench.dataset import Conversation, DatasetConfig
+from sgl_spec.bench.dataset import POSITIONS, Conversation, DatasetConfig
+from sgl_spec.bench.plan import RunPlan
 from sgl_spec.bench.server import ServerProcess, ServerStartError, tail
 
 logger = logging.getLogger(__name__)
@@ -43,39 +49,6 @@ class ConfigRunError(RuntimeError):
     """A configuration's server came up but failed while the workloads played."""
 
 
-@dataclass(frozen=True)
-class RunPlan:
-    """What each configuration plays. ``longgen_max_tokens`` caps every long-generation
-    prompt's own budget (``longgen.LongGenPrompt.max_tokens``) to fit the run time."""
-
-    dataset: str  # a DatasetConfig preset
-    longgen: tuple[str, ...]  # prompt names
-    longgen_max_tokens: int
-    concurrency: int = 1
-
-    def __post_init__(self) -> None:
-        DatasetConfig.preset(self.dataset)  # raises on an unknown preset
-        names = {p.name for p in longgen.PROMPTS}
-        bad = [n for n in self.longgen if n not in names]
-        if bad:
-            raise ValueError(f"unknown long-generation prompt(s) {bad}; valid: {sorted(names)}")
-        if self.longgen_max_tokens <= 0:
-            raise ValueError(f"longgen_max_tokens must be positive, got {self.longgen_max_tokens}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-
-    @classmethod
-    def preset(cls, quick: bool, concurrency: int = 1) -> RunPlan:
-        if quick:  # ~2 min per configuration on 2 cores
-            return cls("quick", ("long-division",), 256, concurrency)
-        return cls("default", ("long-division", "animals"), 1024, concurrency)
-
-    def longgen_items(self) -> list[tuple[workloads.Conversation, int]]:
-        by_name = {p.name: p for p in longgen.PROMPTS}
-        return [(by_name[n].to_workload(), min(by_name[n].max_tokens, self.longgen_max_tokens))
-                for n in self.longgen]
-
-
 class ConfigRun(NamedTuple):
     """What one configuration answered; ``server`` is None for a URL run."""
 
@@ -84,6 +57,8 @@ class ConfigRun(NamedTuple):
     server: dict | None
     chat: list[chat_client.TurnResult]
     longgen: list[chat_client.TurnResult]
+    # workload -> sparse_counters.delta (None: the server exports no such counters)
+    sparse: dict[str, dict | None] | None = None
 
 
 class _Progress:
@@ -109,16 +84,16 @@ class _Progress:
         self.bar.close()
 
 
-def play_all(url: str, model: str, items: Sequence[tuple[workloads.Conversation, int]],
-             concurrency: int, progress: _Progress, label: str) -> list[chat_client.TurnResult]:
-    """Play every ``(conversation, max_tokens)``, ``concurrency`` conversations at a time;
-    results in the order of ``items``, turn by turn."""
+def play_all(url: str, model: str, items: Sequence[PlayItem], concurrency: int,
+             progress: _Progress, label: str) -> list[chat_client.TurnResult]:
+    """Play every item, ``concurrency`` conversations at a time; results in the order
+    of ``items``, turn by turn."""
     client = chat_client.make_client(url)
 
-    def one(item):
-        conv, max_tokens = item
-        return chat_client.play(client, model, conv, max_tokens,
-                                on_turn=lambda t: progress.turn(label, t))
+    def one(item: PlayItem):
+        return chat_client.play(client, model, item.conversation, item.max_tokens,
+                                on_turn=lambda t: progress.turn(label, t),
+                                ignore_eos=item.ignore_eos)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         per_conv = list(pool.map(one, items))
@@ -126,17 +101,25 @@ def play_all(url: str, model: str, items: Sequence[tuple[workloads.Conversation,
 
 
 def _play_workloads(url: str, model: str, plan: RunPlan, convs: Sequence[Conversation],
-                    answer_tokens: int, progress: _Progress, label: str):
+                    answer_tokens: int, longgen_items: Sequence[PlayItem],
+                    progress: _Progress, label: str):
+    """Chat, then long generation; and the sparse-decode counters of each."""
     _flush_cache(url)  # every configuration starts with an empty prefix cache
-    chat = play_all(url, model, [(c.to_workload(), answer_tokens) for c in convs],
+    before = sparse_counters.read(url)  # after the warm-up
+    chat = play_all(url, model, [PlayItem(c.to_workload(), answer_tokens) for c in convs],
                     plan.concurrency, progress, label)
+    after_chat = sparse_counters.read(url)
     _flush_cache(url)
-    lg = play_all(url, model, plan.longgen_items(), plan.concurrency, progress, label)
-    return chat, lg
+    lg = play_all(url, model, longgen_items, plan.concurrency, progress, label)
+    after_lg = sparse_counters.read(url)
+    sparse = {"chat": sparse_counters.delta(after_chat, before),
+              "longgen": sparse_counters.delta(after_lg, after_chat)}
+    return chat, lg, sparse
 
 
 def run_config(cfg: ServerConfig, model: str, plan: RunPlan, convs: Sequence[Conversation],
-               answer_tokens: int, out_dir: str, progress: _Progress) -> ConfigRun:
+               longgen_items: Sequence[PlayItem], answer_tokens: int, out_dir: str,
+               progress: _Progress) -> ConfigRun:
     """Start ``cfg``'s server, play everything on it, stop it. Raises ServerStartError
     (with the tail of the server log) if it does not come up."""
     log_path = os.path.join(out_dir, f"server-{cfg.slug}.log")
@@ -151,8 +134,8 @@ def run_config(cfg: ServerConfig, model: str, plan: RunPlan, convs: Sequence[Con
     try:
         start_s = time.perf_counter() - t0
         _warmup(chat_client.make_client(server.url), model)
-        chat, lg = _play_workloads(server.url, model, plan, convs, answer_tokens, progress,
-                                   cfg.name)
+        chat, lg, sparse = _play_workloads(server.url, model, plan, convs, answer_tokens,
+                                           longgen_items, progress, cfg.name)
     except Exception as exc:
         server.stop()
         raise ConfigRunError(f"configuration {cfg.name!r} failed while playing: {exc!r}; "
@@ -161,7 +144,7 @@ def run_config(cfg: ServerConfig, model: str, plan: RunPlan, convs: Sequence[Con
         server.stop()
     info = {"module": cfg.module, "args": args, "start_s": start_s,
             "peak_rss_bytes": server.peak_rss_bytes, "log": log_path}
-    return ConfigRun(cfg.name, asdict(cfg), info, chat, lg)
+    return ConfigRun(cfg.name, asdict(cfg), info, chat, lg, sparse)
 
 
 def _dump_turns(out_dir: str, slug: str, run: ConfigRun) -> None:
@@ -172,8 +155,11 @@ def _dump_turns(out_dir: str, slug: str, run: ConfigRun) -> None:
 
 
 def build_results(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Conversation],
-                  plan: RunPlan, runs: Sequence[ConfigRun], reference: str | None) -> dict:
-    """``results.json``: every figure of every configuration, in run order."""
+                  plan: RunPlan, runs: Sequence[ConfigRun], reference: str | None,
+                  within_points: dict[str, float] | None = None) -> dict:
+    """``results.json``: every figure of every configuration, in run order.
+    ``within_points``: row -> the most exact-match points it may lose to the
+    reference at any query position (``acceptance``)."""
     from sgl_spec.bench import dataset
 
     by_name = {r.name: r for r in runs}
@@ -182,7 +168,8 @@ def build_results(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Con
     for run in runs:
         entry = {"name": run.name, "config": run.config, "server": run.server,
                  **summary.config_figures(summary.score_conversations(convs, run.chat),
-                                          run.longgen)}
+                                          run.longgen),
+                 "sparse_decode": run.sparse or {"chat": None, "longgen": None}}
         if ref is not None and run is not ref:
             entry["agreement"] = {
                 "chat": summary.agreement_figures(ref.chat, run.chat),
@@ -194,17 +181,42 @@ def build_results(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Con
         "dataset": {"config": asdict(dataset_config), "stats": dataset.stats(list(convs))},
         "longgen": {"prompts": list(plan.longgen), "max_tokens": plan.longgen_max_tokens},
         "reference": reference,
+        "checks": {"within_points": dict(within_points or {})},
         "configs": configs,
     }
     results["acceptance"] = acceptance(results)
     return results
 
 
+def position_deltas(row: dict, ref: dict) -> dict[str, float | None]:
+    """Exact match of ``row`` minus the reference's, in points (0-100), per query
+    position; None where either has no question at that position."""
+    out = {}
+    for p in POSITIONS:
+        a, b = row["accuracy"]["by_position"].get(p), ref["accuracy"]["by_position"].get(p)
+        ok = a and b and a.get("n") and b.get("n")
+        out[p] = 100.0 * (a["exact_match"] - b["exact_match"]) if ok else None
+    return out
+
+
+def _position_check(row: dict, ref: dict, tolerance: float | None) -> str:
+    deltas = position_deltas(row, ref)
+    text = ", ".join(f"{p} {'n/a' if d is None else f'{d:+.1f}'}" for p, d in deltas.items())
+    if tolerance is None:
+        return f"{text} points"
+    ok = all(d is not None and d >= -tolerance - 1e-9 for d in deltas.values())
+    return f"{text} points (need >= {-tolerance:g} each): {'PASS' if ok else 'FAIL'}"
+
+
 def acceptance(results: dict) -> dict:
-    """The issue's checks: the reference solves the dataset, and every other
-    exact-attention row agrees with it on every answer (a row is not expected to
-    agree unless it is exact; the table shows every row's figures)."""
+    """The issue's checks: the reference solves the dataset, every other row's
+    exact-match change against it per query position (PASS/FAIL for the rows of
+    ``results["checks"]["within_points"]``: losing at most that many points at every
+    position), and whether each row agrees with it on every answer (a row is not
+    expected to agree unless it is exact; the table shows every row's figures)."""
     ref_name = results["reference"]
+    within = (results.get("checks") or {}).get("within_points") or {}
+    ref = next((c for c in results["configs"] if c["name"] == ref_name), None)
     out = {}
     for c in results["configs"]:
         e = c["end_this_turn_short"]
@@ -215,6 +227,12 @@ def acceptance(results: dict) -> dict:
                 f"{e['max_history_tokens']} tokens"] = (
                 f"{'n/a' if em is None else f'{em:.2f}'} of {e['n']} questions "
                 f"(need >= {SOLVABLE_EM}): {verdict}")
+        if ref is not None and c is not ref:
+            tol = within.get(c["name"])
+            key = (f"{c['name']}: exact match vs {ref_name} by query position" if tol is None
+                   else f"{c['name']}: exact match within {tol:g} points of {ref_name} at "
+                   f"every query position")
+            out[key] = _position_check(c, ref, tol)
         agree = c.get("agreement")
         if agree:
             chat, lg = agree["chat"]["counts"], agree["longgen"]["counts"]
@@ -247,17 +265,20 @@ def _meta(configset: str, model: str, plan: RunPlan, quick: bool) -> dict:
 
 
 def _finish(meta: dict, t0: float, dataset_config, convs, plan, runs, reference,
-            out_dir: str) -> dict:
+            out_dir: str, within_points: dict[str, float] | None = None) -> dict:
     meta["duration_s"] = time.perf_counter() - t0
     meta["load_average_after"] = provenance.load_average()
-    results = build_results(meta, dataset_config, convs, plan, runs, reference)
+    results = build_results(meta, dataset_config, convs, plan, runs, reference,
+                            within_points)
     write_results(results, out_dir)
     return results
 
 
 def side_by_side(configset: ConfigSet, model: str, plan: RunPlan, dataset_config: DatasetConfig,
-                 convs: Sequence[Conversation], out_dir: str, quick: bool) -> dict:
-    """Every configuration of ``configset`` in file order, one server at a time."""
+                 convs: Sequence[Conversation], longgen_items: Sequence[PlayItem],
+                 out_dir: str, quick: bool) -> dict:
+    """Every configuration of ``configset`` in file order, one server at a time;
+    ``longgen_items`` are ``plan.longgen_items(tokenizer)``."""
     if plan.concurrency > 1:
         logger.warning("concurrency %d batches requests: timings and greedy outputs then "
                        "depend on scheduling, so agreement may drop", plan.concurrency)
@@ -269,14 +290,14 @@ def side_by_side(configset: ConfigSet, model: str, plan: RunPlan, dataset_config
     runs = []
     try:
         for cfg in configset.configs:
-            run = run_config(cfg, model, plan, convs, dataset_config.max_tokens, out_dir,
-                             progress)
+            run = run_config(cfg, model, plan, convs, longgen_items,
+                             dataset_config.max_tokens, out_dir, progress)
             _dump_turns(out_dir, cfg.slug, run)  # kept if a later configuration fails
             runs.append(run)
     finally:
         progress.close()
     return _finish(meta, t0, dataset_config, convs, plan, runs, configset.reference.name,
-                   out_dir)
+                   out_dir, dict(configset.within_points))
 
 
 def served_model(url: str) -> str:
@@ -287,7 +308,8 @@ def served_model(url: str) -> str:
 
 
 def against_url(url: str, name: str, plan: RunPlan, dataset_config: DatasetConfig,
-                convs: Sequence[Conversation], out_dir: str, quick: bool) -> dict:
+                convs: Sequence[Conversation], longgen_items: Sequence[PlayItem],
+                out_dir: str, quick: bool) -> dict:
     """Play everything on an already running server (no memory figure, no agreement)."""
     url = url.rstrip("/").removesuffix("/v1")
     t0 = time.perf_counter()
@@ -295,10 +317,11 @@ def against_url(url: str, name: str, plan: RunPlan, dataset_config: DatasetConfi
     meta = _meta(f"url {url}", model, plan, quick)
     progress = _Progress(sum(len(c.turns) for c in convs) + len(plan.longgen))
     try:
-        chat, lg = _play_workloads(url, model, plan, convs, dataset_config.max_tokens,
-                                   progress, name)
+        chat, lg, sparse = _play_workloads(url, model, plan, convs,
+                                           dataset_config.max_tokens, longgen_items,
+                                           progress, name)
     finally:
         progress.close()
-    run = ConfigRun(name, None, {"url": url}, chat, lg)
+    run = ConfigRun(name, None, {"url": url}, chat, lg, sparse)
     _dump_turns(out_dir, "url", run)
     return _finish(meta, t0, dataset_config, convs, plan, [run], None, out_dir)

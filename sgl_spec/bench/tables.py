@@ -90,20 +90,33 @@ def agreement_table(configs: list[dict], reference: str | None) -> list[str]:
     return _table(header, rows)
 
 
+def sparse_cell(counts: dict | None) -> str:
+    """``sparse / all decode steps (share)`` of a ``sparse_counters.delta``; '-' for a
+    server without sgl_spec's sparse-decode counters."""
+    if counts is None:
+        return "-"
+    share = counts["sparse_share"]
+    return (f"{counts['sparse_steps']}/{counts['decode_steps']}"
+            f"{'' if share is None else f' ({share:.2f})'}")
+
+
 def speed_table(configs: list[dict]) -> list[str]:
     header = ["configuration", "TTFT turn 1 (ms)", "TTFT turns >= 2 (ms)", "TPOT chat (ms)",
               "TPOT long-gen (ms)", "output tok/s long-gen", "cached tok / turn >= 2",
+              "sparse decode steps chat", "sparse decode steps long-gen",
               "peak RSS (GiB)", "start (s)"]
     rows = []
     for c in configs:
         chat, lg = c["speed"]["chat"], c["speed"]["longgen"]
         srv = c.get("server") or {}
         rss = srv.get("peak_rss_bytes")
+        sparse = c.get("sparse_decode") or {}
         rows.append([
             c["name"], _fmt(chat["ttft_turn1_mean_s"], 1e3, 0),
             _fmt(chat["ttft_later_mean_s"], 1e3, 0), _fmt(chat["tpot_median_s"], 1e3, 1),
             _fmt(lg["tpot_median_s"], 1e3, 1), _fmt(lg["output_tok_per_s"]),
             _fmt(chat["cached_tokens_later_mean"], digits=0),
+            sparse_cell(sparse.get("chat")), sparse_cell(sparse.get("longgen")),
             _fmt(rss / 2**30 if rss else None), _fmt(srv.get("start_s"), digits=1),
         ])
     return _table(header, rows)
@@ -150,6 +163,9 @@ def markdown(results: dict) -> str:
                   "Each configuration plays its own answers as the chat history.", "",
                   *agreement_table(configs, ref), ""]
     lines += ["## Speed", "", *speed_table(configs), "",
+              "Sparse decode steps: request decode steps that attended a KV subset / all "
+              "decode steps, from the server's sgl_spec counters ('-': none exported, as "
+              "for stock and exact mode).", "",
               "### TTFT / TPOT (ms, medians) by history length", "",
               *history_table(configs), "",
               "## Dataset", "", *stats_lines(results["dataset"]["stats"]), "",

@@ -11,6 +11,9 @@ from .subset import Subset, dense_subset
 class ExactPolicy(SelectionPolicy):
     name = "exact"
 
+    def attends_layers(self, rid: str) -> bool:
+        return False
+
     def decode_layer(
         self, rid: str, layer: int, q: torch.Tensor, k: torch.Tensor | None = None
     ) -> Subset:

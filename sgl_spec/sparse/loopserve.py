@@ -60,6 +60,14 @@ class LoopServePolicy(SelectionPolicy):
                 st.reselect = True
         return st.reselect
 
+    def attends_layers(self, rid: str) -> bool:
+        """Sparse now, selecting now, or this step's query may still be in the ring
+        at a sparse selection: one within the next nd - 1 steps, when the history
+        will have grown by as much (``use_exact`` only turns False as it grows)."""
+        st: LoopServeState = self.states.get(rid)
+        p = self.params
+        return not st.dense or st.reselect or not use_exact(st.seq_len + p.nd - 1, p)
+
     def decode_layer(
         self,
         rid: str,

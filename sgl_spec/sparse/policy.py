@@ -8,7 +8,8 @@ Call order for one request (one sglang request is one turn):
     policy.prefill_layer(rid, layer, q_obs, k) per layer, only if needs_prefill_queries
     loop over decode steps:
         reselect = policy.step(rid, seq_len)   once per step, before the layers
-        policy.decode_layer(rid, layer, q, k)  per layer -> Subset; k only if reselect
+        if policy.attends_layers(rid):         else the step is dense, layers skipped
+            policy.decode_layer(rid, layer, q, k)  per layer -> Subset; k only if reselect
     policy.release(rid)                        finished or aborted: frees the state
 
 Every request's state is a ``RequestState`` owned by the policy's ``PolicyStates``
@@ -147,6 +148,15 @@ class SelectionPolicy(ABC):
 
     def _on_step(self, st: RequestState) -> bool:
         return False
+
+    def attends_layers(self, rid: str) -> bool:
+        """Whether this step's ``decode_layer`` calls matter (after ``step()``).
+
+        False promises that every layer's subset would be dense and that the
+        policy keeps nothing of this step's queries: the caller may then decode the
+        row exactly without calling ``decode_layer`` (no per-layer work at all).
+        """
+        return True
 
     @abstractmethod
     def decode_layer(

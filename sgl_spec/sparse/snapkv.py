@@ -75,6 +75,9 @@ class SnapKVPolicy(SelectionPolicy):
         sink_end = min(self.params.sink, n)
         st.sel[layer] = select_topk(pooled, self.params.budget, sink_end, st.recent_start)
 
+    def attends_layers(self, rid: str) -> bool:
+        return not self.states.get(rid).exact
+
     def decode_layer(
         self, rid: str, layer: int, q: torch.Tensor, k: torch.Tensor | None = None
     ) -> Subset:

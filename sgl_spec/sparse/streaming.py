@@ -16,6 +16,9 @@ from .subset import Subset, dense_subset
 class StreamingPolicy(SelectionPolicy):
     name = "streaming"
 
+    def attends_layers(self, rid: str) -> bool:
+        return not use_exact(self.states.get(rid).seq_len, self.params)
+
     def decode_layer(
         self, rid: str, layer: int, q: torch.Tensor, k: torch.Tensor | None = None
     ) -> Subset:
