@@ -20,6 +20,8 @@ from sgl_spec.sparse.params import LIMITS, SparseParams
 MODES = ("exact", "streaming", "snapkv", "loopserve")
 # Radix-cache eviction orders (sgl_spec.cache.tree_core.EVICTION_POLICIES).
 CACHE_EVICTIONS = ("lru", "turn")
+# Prefill attention: "exact" (dense) or LoopServe's online vertical/slash lines.
+PREFILL_MODES = ("exact", "loopserve")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,13 @@ class SpecConfig:
     window: int = SparseParams.window
     nd: int = SparseParams.nd
     min_context: int = SparseParams.min_context
+    # Sparse prefill (sgl_spec.attention.sparse_prefill), independent of ``mode``.
+    prefill: str = "exact"
+    prefill_alpha: float = 0.955
+    # Where select + line-sparse attention starts beating dense SDPA for the
+    # default model's shape (kernels/vslash/bench.py --crossover; README).
+    prefill_min_tokens: int = 2048
+    prefill_reuse: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -47,6 +56,21 @@ class SpecConfig:
                 f"values: {', '.join(CACHE_EVICTIONS)}"
             )
         self.sparse_params()  # raises ValueError naming the bad --spec-* flag
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(
+                f"--spec-prefill {self.prefill!r} is invalid; valid values: "
+                f"{', '.join(PREFILL_MODES)}"
+            )
+        alpha = self.prefill_alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
+            raise ValueError(
+                f"--spec-prefill-alpha {alpha!r} is invalid; valid range: a number in (0, 1]"
+            )
+        n = self.prefill_min_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"--spec-prefill-min-tokens {n!r} is invalid; valid range: integers >= 1"
+            )
 
     def sparse_params(self) -> SparseParams:
         """The selection policies' parameters (the one place they are validated)."""
@@ -84,6 +108,14 @@ _SPARSE_HELP = {
     "min_context": "Sparse modes: histories shorter than this decode exactly (as "
     "do histories that budget + sink + window cover).",
 }
+
+
+def _float_or_text(text: str) -> float | str:
+    """argparse type: a float, or the text itself for SpecConfig to reject."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _int_or_text(text: str) -> int | str:
@@ -134,6 +166,42 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         f"Default: {defaults.cache_eviction}.",
     )
     group.add_argument(
+        "--spec-prefill",
+        type=str,
+        default=defaults.prefill,
+        choices=PREFILL_MODES,
+        help="Prefill attention mode, independent of --spec-mode (decode). 'exact' "
+        "is dense attention; 'loopserve' selects vertical and slash lines per layer "
+        "and KV head from a sample of each long extend's own queries and attends "
+        "only those (LoopServe Sec 5.2). CPU only. Default: "
+        f"{defaults.prefill}.",
+    )
+    group.add_argument(
+        "--spec-prefill-alpha",
+        type=_float_or_text,
+        default=defaults.prefill_alpha,
+        metavar="FLOAT",
+        help="loopserve prefill: fraction of the sampled attention mass the selected "
+        f"lines must cover. Number in (0, 1]. Default: {defaults.prefill_alpha}.",
+    )
+    group.add_argument(
+        "--spec-prefill-min-tokens",
+        type=_int_or_text,
+        default=defaults.prefill_min_tokens,
+        metavar="N",
+        help="loopserve prefill: extends with fewer new tokens (short turns, decode-"
+        "sized chunks) take the exact path. Integer >= 1. Default: "
+        f"{defaults.prefill_min_tokens}.",
+    )
+    group.add_argument(
+        "--spec-prefill-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.prefill_reuse,
+        help="loopserve prefill: seed each extend's selection with the lines "
+        "selected for the cached sequence it continues (the previous turn or "
+        "chunk). Default: on.",
+    )
+    group.add_argument(
         "--spec-disable",
         action="store_true",
         default=defaults.disable,
@@ -148,6 +216,10 @@ def from_cli_args(args: argparse.Namespace) -> SpecConfig:
         mode=args.spec_mode,
         disable=args.spec_disable,
         cache_eviction=args.spec_cache_eviction,
+        prefill=args.spec_prefill,
+        prefill_alpha=args.spec_prefill_alpha,
+        prefill_min_tokens=args.spec_prefill_min_tokens,
+        prefill_reuse=args.spec_prefill_reuse,
         **{dest: getattr(args, dest) for dest in _SPARSE_HELP},
     )
 

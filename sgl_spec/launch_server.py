@@ -57,6 +57,9 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
     if cfg.disable and cfg.mode != "exact":
         logger.warning("--spec-mode %s has no effect with --spec-disable (stock "
                        "components decode exactly)", cfg.mode)
+    if cfg.disable and cfg.prefill != "exact":
+        logger.warning("--spec-prefill %s has no effect with --spec-disable (stock "
+                       "components prefill exactly)", cfg.prefill)
     return cfg, rest
 
 

@@ -46,9 +46,19 @@ def test_sparse_flags_fill_the_config_and_its_params():
         (["--spec-window", "0"], "--spec-window", "valid range: integers >= 1"),
         (["--spec-nd", "1.5"], "--spec-nd", "valid range: integers >= 1"),
         (["--spec-min-context", "-3"], "--spec-min-context", "valid range: integers >= 0"),
+        (["--spec-prefill", "dense"], "--spec-prefill", "loopserve"),
+        (["--spec-prefill-alpha", "0"], "--spec-prefill-alpha", "a number in (0, 1]"),
+        (["--spec-prefill-alpha=1.5"], "--spec-prefill-alpha", "a number in (0, 1]"),
+        (["--spec-prefill-alpha", "high"], "--spec-prefill-alpha", "a number in (0, 1]"),
+        (["--spec-prefill-min-tokens", "0"], "--spec-prefill-min-tokens",
+         "valid range: integers >= 1"),
+        (["--spec-prefill-min-tokens", "1e3"], "--spec-prefill-min-tokens",
+         "valid range: integers >= 1"),
     ],
     ids=["bad-mode", "unknown-flag", "equals-form", "budget-0", "budget-text",
-         "sink-negative", "window-0", "nd-float", "min-context-negative"],
+         "sink-negative", "window-0", "nd-float", "min-context-negative",
+         "prefill-mode", "prefill-alpha-0", "prefill-alpha-1.5", "prefill-alpha-text",
+         "prefill-min-tokens-0", "prefill-min-tokens-float"],
 )
 def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, flag, valid, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -56,6 +66,23 @@ def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, flag, valid, capsys
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and valid in err
+
+
+def test_prefill_flags_fill_the_config_independently_of_the_decode_mode():
+    defaults, _ = split_argv([])
+    assert (defaults.prefill, defaults.prefill_alpha, defaults.prefill_min_tokens,
+            defaults.prefill_reuse) == ("exact", 0.955, 2048, True)
+    cfg, rest = split_argv([
+        "--spec-prefill", "loopserve", "--spec-prefill-alpha=0.98",
+        "--spec-prefill-min-tokens", "256", "--no-spec-prefill-reuse", "--port", "1",
+    ])
+    assert rest == ["--port", "1"]
+    assert (cfg.mode, cfg.prefill, cfg.prefill_alpha, cfg.prefill_min_tokens,
+            cfg.prefill_reuse) == ("exact", "loopserve", 0.98, 256, False)
+    cfg, _ = split_argv(["--spec-prefill-alpha", "1", "--spec-mode", "loopserve",
+                         "--spec-prefill-reuse"])
+    assert cfg.prefill_alpha == 1.0 and cfg.prefill_reuse and cfg.mode == "loopserve"
+    assert SpecConfig.from_json(cfg.to_json()) == cfg
 
 
 def test_cpu_defaults_are_added_only_when_not_given():
@@ -104,8 +131,10 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     [
         (["--spec-mode", "bogus"], ["--spec-mode", "'exact'", "'loopserve'"]),
         (["--spec-budget", "0"], ["--spec-budget 0 is invalid; valid range: integers >= 1"]),
+        (["--spec-prefill-alpha", "2"],
+         ["--spec-prefill-alpha 2.0 is invalid; valid range: a number in (0, 1]"]),
     ],
-    ids=["mode", "budget"],
+    ids=["mode", "budget", "prefill-alpha"],
 )
 def test_invalid_flag_value_exits_nonzero_with_valid_values(argv, needles):
     proc = _launch(*argv)
@@ -119,8 +148,10 @@ def test_help_lists_sglang_and_spec_flags():
     assert proc.returncode == 0
     for flag in ("--spec-mode", "--spec-disable", "--model-path", "--tp-size",
                  "--spec-budget", "--spec-sink", "--spec-window", "--spec-nd",
-                 "--spec-min-context"):
+                 "--spec-min-context", "--spec-prefill", "--spec-prefill-alpha",
+                 "--spec-prefill-min-tokens", "--no-spec-prefill-reuse"):
         assert flag in proc.stdout
     text = " ".join(proc.stdout.split())  # argparse wraps help lines
     assert "Default: exact" in text
     assert "Integer >= 1. Default: 1024." in text and "Default: 2048." in text
+    assert "Number in (0, 1]. Default: 0.955." in text

@@ -272,18 +272,22 @@ def test_torch_writes_out():
 
 
 def run_cached(batch: Batch, out=None) -> torch.Tensor:
-    from sgl_spec.kernels.sparse_decode.torch_cached import gather_fixed, sparse_decode_cached
+    from sgl_spec.kernels.sparse_decode.torch_cached import (
+        gather_fixed,
+        recent_index,
+        sparse_decode_cached,
+    )
 
     fixed = [
         gather_fixed(batch.k_buf, batch.v_buf, batch.req_to_token[row], batch.sel_idx[b],
                      batch.sel_len[b], min(batch.sink, int(batch.seq_lens[b])))
         for b, row in enumerate(batch.req_pool_indices.tolist())
     ]
-    return sparse_decode_cached(
-        batch.q, fixed, batch.k_buf, batch.v_buf, batch.req_to_token,
-        batch.req_pool_indices, batch.seq_lens, batch.recent_start,
-        scale=batch.scale, out=out,
-    )
+    recent = recent_index(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                          batch.recent_start, torch.tensor([f.sink_end for f in fixed]),
+                          batch.k_buf.shape[1])
+    return sparse_decode_cached(batch.q, fixed, batch.k_buf, batch.v_buf, recent,
+                                scale=batch.scale, out=out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

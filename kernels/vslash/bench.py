@@ -9,6 +9,19 @@ isolated slashes (``--vertical-share`` of the added lines are verticals), sized 
 the requested cell density. Reports medians; writes JSON lines with ``--out`` and
 prints a table. On a shared machine use ``--threads 1``: a second OpenMP thread
 stalls whenever the other core is busy, which swamps the comparison.
+
+Real-model inputs (``--qk FILE``, written by ``python -m sgl_spec.bench.prefill_mass
+--save-qk FILE``; per layer q/k/v after RoPE and the chat's turn boundary):
+
+    python -m sgl_spec.kernels.vslash.bench --qk FILE --crossover 256 512 1024 2048
+    python -m sgl_spec.kernels.vslash.bench --qk FILE --reuse
+
+``--crossover``: per new-token count n, an extend of the first n tokens after
+``--history`` cached ones, summed over ``--layers``: dense SDPA (the exact backend's
+call) against ``select_lines`` + ``vslash_attention`` (the sparse prefill's calls);
+the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s default.
+``--reuse``: the chat's second turn selected with and without the first turn's
+lines as seeds: selection time, density and recovered mass (full attention).
 """
 
 from __future__ import annotations
@@ -59,12 +72,16 @@ def random_lines(
 
 
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: int) -> torch.Tensor:
+    """The exact backend's call: ``is_causal`` without a prefix, an offset mask with one."""
     n = q.shape[0]
-    pos = torch.arange(history_len, history_len + n)[:, None]
-    mask = torch.arange(history_len + n)[None, :] <= pos  # [n, N+n]
+    mask = None
+    if history_len:
+        pos = torch.arange(history_len, history_len + n)[:, None]
+        mask = torch.arange(history_len + n)[None, :] <= pos  # [n, N+n]
     out = scaled_dot_product_attention(
         q.movedim(0, 1).unsqueeze(0), k.movedim(0, 1).unsqueeze(0),
         v.movedim(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True,
+        is_causal=mask is None,
     )
     return out.squeeze(0).movedim(1, 0)
 
@@ -78,10 +95,83 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
+              repeats: int) -> list[dict]:
+    """Dense vs select + sparse per extend size, summed over the given layers."""
+    from . import vslash_attention
+
+    cfg = SelectConfig(alpha=alpha)
+    rows = []
+    for n in ns:
+        dense = select = sparse = dens = 0.0
+        for lay in layers:
+            q = lay["q"][history : history + n]
+            k, v = lay["k"][: history + n], lay["v"][: history + n]
+            dense += _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
+            select += _median_s(lambda: select_lines(q, k, history, cfg), repeats)
+            lines = select_lines(q, k, history, cfg)
+            sparse += _median_s(
+                lambda: vslash_attention(q, k, v, lines, history, impl="torch"), repeats)
+            dens += float(density(lines, n, history).mean()) / len(layers)
+        rows.append({"n": n, "history": history, "alpha": alpha, "layers": len(layers),
+                     "dense_s": dense, "select_s": select, "vslash_s": sparse,
+                     "speedup": dense / (select + sparse), "density": dens})
+    return rows
+
+
+def reuse(layers: list[dict], boundary: int, alpha: float, repeats: int) -> list[dict]:
+    """Second turn of the captured chat, selected without and with turn 1's lines."""
+    from .select import recovered_mass
+
+    cfg = SelectConfig(alpha=alpha)
+    out = []
+    for seeded in (False, True):
+        sel = dens = mass = 0.0
+        for lay in layers:
+            q, k = lay["q"], lay["k"]
+            seeds = select_lines(q[:boundary], k[:boundary], 0, cfg) if seeded else None
+            q2 = q[boundary:]
+            sel += _median_s(lambda: select_lines(q2, k, boundary, cfg, seeds=seeds), repeats)
+            lines = select_lines(q2, k, boundary, cfg, seeds=seeds)
+            dens += float(density(lines, q2.shape[0], boundary).mean()) / len(layers)
+            mass += float(recovered_mass(q2, k, lines, boundary).mean()) / len(layers)
+        out.append({"seeded": seeded, "alpha": alpha, "history": boundary,
+                    "n": layers[0]["q"].shape[0] - boundary, "layers": len(layers),
+                    "select_s": sel, "density": dens, "recovered_mass": mass})
+    return out
+
+
+def main_qk(args) -> None:
+    data = torch.load(args.qk)
+    picked = args.layers or list(range(len(data["layers"])))
+    layers = [data["layers"][i] for i in picked]
+    if args.crossover:
+        rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats)
+        print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
+              f"{torch.get_num_threads()} threads, median of {args.repeats}")
+        print(f"{'n':>6} {'dense s':>8} {'select s':>9} {'vslash s':>9} {'speedup':>8} "
+              f"{'density':>8}")
+        for r in rows:
+            print(f"{r['n']:6d} {r['dense_s']:8.3f} {r['select_s']:9.3f} {r['vslash_s']:9.3f} "
+                  f"{r['speedup']:7.2f}x {r['density']:8.3f}")
+    else:
+        rows = reuse(layers, data["turn_boundary"], args.alpha, args.repeats)
+        print(f"reuse: layers {picked}, turn 2 = {rows[0]['n']} tokens over "
+              f"{rows[0]['history']}, alpha {args.alpha}, {torch.get_num_threads()} threads")
+        print(f"{'seeded':>7} {'select s':>9} {'density':>8} {'recovered mass':>15}")
+        for r in rows:
+            print(f"{str(r['seeded']):>7} {r['select_s']:9.3f} {r['density']:8.4f} "
+                  f"{r['recovered_mass']:15.4f}")
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=6144)
-    ap.add_argument("--history", type=int, default=6144)
+    ap.add_argument("--history", type=int, help="cached tokens (default 6144; with --qk 0)")
     ap.add_argument("--q-heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -91,9 +181,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--qk", metavar="FILE", help="real-model q/k/v (prefill_mass --save-qk)")
+    ap.add_argument("--crossover", type=int, nargs="+", metavar="N",
+                    help="with --qk: new-token counts to time dense vs select + sparse")
+    ap.add_argument("--reuse", action="store_true", help="with --qk: seeded vs fresh turn 2")
+    ap.add_argument("--layers", type=int, nargs="+", help="with --qk: layer ids (default all)")
+    ap.add_argument("--alpha", type=float, default=0.955, help="with --qk: selection alpha")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.qk:
+        if not (args.crossover or args.reuse):
+            ap.error("--qk needs --crossover N... or --reuse")
+        args.history = args.history or 0
+        main_qk(args)
+        return
+    if args.history is None:
+        args.history = 6144
 
     from . import vslash_attention
 

@@ -36,6 +36,17 @@ Within a round gains ignore overlaps among the round's own picks, so they are up
 bounds: a round never overshoots the deficit by more than its last line, and the
 loop only stops once the *measured* coverage of the union reaches ``alpha``, so the
 guarantee on the sampled attention is exact.
+
+Seeds (LoopServe §5.2, reuse across turns): lines selected for an earlier extend of
+the same sequence (verticals are absolute key positions, still valid because that
+KV is now the cached prefix; slashes are offsets) can be passed as ``seeds``. In the
+first round every seed line whose sampled mass per sampled cell is above the
+uniform level (``total / sampled causal cells``) is taken before the ranked
+candidates, best value first and only up to the deficit; stale or useless seeds
+thus fail the filter and cost nothing. Seeds add no round: they replace part of
+the first round's picks, so heads whose earlier lines still carry their mass
+finish in fewer rounds, and lines the current sample underrates but an earlier
+turn needed are kept.
 """
 
 from __future__ import annotations
@@ -116,12 +127,17 @@ def _span_count(prefix: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tor
 
 def greedy_lines(
     attn: torch.Tensor,  # [S, N+n] float32 sampled probabilities (0 at non-causal cells)
-    pos: torch.Tensor,  # [S] int64 absolute query positions of the rows
+    pos: torch.Tensor,  # [S] int64 absolute query positions of the rows, sorted
     n: int,
     history_len: int,
     config: SelectConfig,
+    seed: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([n_v], [n_s]) int64 CPU
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """One head's greedy selection. Returns ``(vertical, slash, sampled_coverage)``."""
+    """One head's greedy selection. Returns ``(vertical, slash, sampled_coverage)``.
+
+    ``seed``: candidate (vertical, slash) lines of an earlier extend, preferred in
+    the first round when above the uniform mass level (module docstring).
+    """
     num_s, num_keys = attn.shape
     cols = torch.arange(num_keys)
     # diag[r, d] = column of row r's cell on slash d; num_keys (a zero pad) if none.
@@ -145,6 +161,15 @@ def greedy_lines(
 
     add(torch.arange(min(config.sink, num_keys)), torch.arange(min(config.local, num_keys)))
     cap = config.max_lines_per_round
+    seed_mask = None  # [2K] bool: seed lines, verticals then slashes (first round only)
+    if seed is not None:
+        seed_mask = torch.zeros(2 * num_keys, dtype=torch.bool)
+        seed_mask[seed[0][seed[0] < num_keys]] = True
+        seed_mask[num_keys + seed[1][seed[1] < num_keys]] = True
+        # Sampled cells of line c (column c or offset c): rows at positions >= c.
+        seen = (num_s - torch.searchsorted(pos, cols)).double()  # [K]
+        level = total / max(float((pos + 1).sum()), 1.0)  # mean mass per sampled cell
+        seed_min_gain = torch.cat([seen, seen]) * level  # [2K]
     while True:
         remaining = rest.sum()
         if remaining <= slack:
@@ -161,6 +186,11 @@ def greedy_lines(
         if n_cand == 0:  # nothing left adds mass (alpha = 1 up to rounding)
             break
         top = torch.topk(value, min(n_cand, cap)).indices
+        if seed_mask is not None:  # first round: good seeds rank before the others
+            good = (seed_mask & (value > 0) & (gain >= seed_min_gain)).nonzero().flatten()
+            good = good[torch.argsort(value[good], descending=True)]
+            top = torch.cat([good, top[~torch.isin(top, good)]])
+            seed_mask = None
         need = (remaining - slack).reshape(1)
         take = int(torch.searchsorted(gain[top].cumsum(0), need)) + 1
         picked = top[:take]
@@ -180,6 +210,7 @@ def select_lines(
     history_len: int,
     config: SelectConfig = SelectConfig(),
     scale: float | None = None,  # default 1/sqrt(D)
+    seeds: LineSet | None = None,  # an earlier extend's lines, same line heads
 ) -> LineSet:  # Hkv line heads (Hq with per_kv_head=False)
     """Algorithm 2 for every line head of one layer's extend; see the module docstring."""
     dims = check_inputs(q, k, None, None, history_len)
@@ -187,8 +218,13 @@ def select_lines(
     attn = sampled_attention(q, k, history_len, rows, scale, config.per_kv_head)
     pos = history_len + rows
     vert, sl, cov = [], [], []
+    if seeds is not None and seeds.num_heads != attn.shape[0]:
+        raise ValueError(
+            f"seeds have {seeds.num_heads} line heads, the selection {attn.shape[0]}"
+        )
     for h in range(attn.shape[0]):
-        v_h, s_h, c_h = greedy_lines(attn[h], pos, dims.n, history_len, config)
+        seed = None if seeds is None else (seeds.vertical[h], seeds.slash[h])
+        v_h, s_h, c_h = greedy_lines(attn[h], pos, dims.n, history_len, config, seed)
         vert.append(v_h)
         sl.append(s_h)
         cov.append(c_h)

@@ -11,10 +11,16 @@ Exact mode is the path every sparse mode falls back to:
 
 Sparse modes (``--spec-mode streaming|snapkv|loopserve``, CPU only) hand each pass
 to a :class:`~sgl_spec.attention.sparse_decode.SparseDecoder`: rows it decodes
-sparsely go through ``sgl_spec.kernels.sparse_decode`` (torch impl) in one batched
-call per layer; the other rows take torch_native's decode above, row for row the
+sparsely go through ``sgl_spec.kernels.sparse_decode.torch_cached`` in one batched
+call per layer (sink + selection gathered once per selection, the recent window read
+from the pool each step); the other rows take torch_native's decode above, row for row the
 same computation as exact mode. SnapKV also scores the last prompt window at the
 end of prefill.
+
+Sparse prefill (``--spec-prefill loopserve``, CPU only, independent of the decode
+mode) hands extends of at least ``--spec-prefill-min-tokens`` new tokens to a
+:class:`~sgl_spec.attention.sparse_prefill.SparsePrefill` instead of the SDPA
+call; shorter extends take exact mode's call unchanged.
 
 On CUDA hosts the factory delegates to sglang's FlashInfer (or Triton) backend.
 """
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from sgl_spec.attention.sparse_decode import SparseDecoder
+    from sgl_spec.attention.sparse_prefill import SparsePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -65,23 +72,42 @@ def offset_causal_mask(
 
 
 class SpecAttnBackend(TorchNativeAttnBackend):
-    """torch_native with an extend that attends only the new queries, and an
-    optional sparse decoder (None: exact mode)."""
+    """torch_native with an extend that attends only the new queries, an optional
+    sparse decoder and an optional sparse prefill (None: exact)."""
 
     sparse: "SparseDecoder | None" = None
+    sparse_prefill: "SparsePrefill | None" = None
     _sparse_layer: int | None = None  # layer id while forward_decode runs sparse
+    _prefill_layer: int | None = None  # layer id while forward_extend runs, if sparse_prefill
 
-    def __init__(self, runner: "ModelRunner", sparse: "SparseDecoder | None" = None):
+    def __init__(
+        self,
+        runner: "ModelRunner",
+        sparse: "SparseDecoder | None" = None,
+        sparse_prefill: "SparsePrefill | None" = None,
+    ):
         super().__init__(runner)
         self.sparse = sparse
+        self.sparse_prefill = sparse_prefill
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch"):
         super().init_forward_metadata(forward_batch)
         if self.sparse is not None:
             plan_pass(self.sparse, forward_batch)
+        if self.sparse_prefill is not None:
+            self.sparse_prefill.begin_pass(extend_lens(forward_batch))
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.sparse_prefill is None:
+            o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        else:
+            # torch_native writes the KV and calls _run_sdpa_forward_extend, which
+            # hands long extends to the sparse prefill.
+            self._prefill_layer = layer.layer_id
+            try:
+                o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+            finally:
+                self._prefill_layer = None
         if self.sparse is not None and self.sparse.prefill_planned:
             self.sparse.prefill_layer(
                 layer.layer_id,
@@ -173,11 +199,21 @@ class SpecAttnBackend(TorchNativeAttnBackend):
         seq_lens_l = seq_lens.tolist()
         prefix_l = extend_prefix_lens.tolist()
         windowed = sliding_window_size is not None and sliding_window_size > -1
+        sp, layer = self.sparse_prefill, self._prefill_layer
+        if windowed or layer is None:
+            sp = None
         start_q = 0
         for i, (seq_len, prefix) in enumerate(zip(seq_lens_l, prefix_l)):
             q_len = seq_len - prefix
             end_q = start_q + q_len
             tokens = req_to_token[req_pool_indices[i], :seq_len]
+            if sp is not None and sp.wants(q_len):
+                output[start_q:end_q] = sp.extend(
+                    layer, i, tokens, query[:, start_q:end_q].movedim(0, 1),
+                    k_cache[tokens], v_cache[tokens], prefix, scaling, k_cache,
+                )
+                start_q = end_q
+                continue
             key = k_cache[tokens].movedim(0, 1)  # [num_kv_heads, seq_len, head_dim]
             value = v_cache[tokens].movedim(0, 1)
             q = query[:, start_q:end_q, :].contiguous()
@@ -224,6 +260,36 @@ def plan_pass(decoder: "SparseDecoder", forward_batch: "ForwardBatch") -> None:
     )
 
 
+def extend_lens(forward_batch: "ForwardBatch") -> list[int] | None:
+    """New tokens per request of an extend pass; None for other passes."""
+    mode = forward_batch.forward_mode
+    if forward_batch.rids is None or not mode.is_extend_without_speculative():
+        return None
+    lens = forward_batch.extend_seq_lens_cpu
+    return list(lens) if lens is not None else forward_batch.extend_seq_lens.tolist()
+
+
+def create_sparse_prefill(runner: "ModelRunner", cfg) -> "SparsePrefill":
+    """The sparse prefill of ``--spec-prefill loopserve`` (LoopServe §5.2)."""
+    from sgl_spec.attention.line_store import LineStore
+    from sgl_spec.attention.sparse_prefill import SparsePrefill
+    from sgl_spec.kernels.vslash import SelectConfig
+
+    metrics = None
+    if runner.server_args.enable_metrics:
+        from sgl_spec.attention.metrics import PrefillMetrics
+
+        metrics = PrefillMetrics()
+    select = SelectConfig(alpha=cfg.prefill_alpha)
+    prefill = SparsePrefill(
+        select, cfg.prefill_min_tokens, runner.model_config.num_hidden_layers,
+        store=LineStore() if cfg.prefill_reuse else None, metrics=metrics,
+    )
+    logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s",
+                select, cfg.prefill_min_tokens, cfg.prefill_reuse)
+    return prefill
+
+
 def create_sparse_decoder(runner: "ModelRunner", cfg) -> "SparseDecoder":
     """The decoder of a sparse ``--spec-mode``, wired to the radix cache's releases."""
     from sglang.srt.runtime_context import get_parallel
@@ -248,12 +314,12 @@ def create_sparse_decoder(runner: "ModelRunner", cfg) -> "SparseDecoder":
 
         metrics = SparseMetrics()
     decoder = SparseDecoder(get_policy(cfg.mode, cfg.sparse_params(), shape),
-                            impl="torch", metrics=metrics)
+                            metrics=metrics)
     # Only --radix-cache-backend sgl_spec calls this; with another tree cache
     # states are dropped by the decoder's stale-rid fallback alone.
     add_release_listener(decoder.release)
-    logger.info("sgl_spec sparse decode: mode %s, %s, %s, impl torch",
-                cfg.mode, cfg.sparse_params(), shape)
+    logger.info("sgl_spec sparse decode: mode %s, %s, %s, impl %s",
+                cfg.mode, cfg.sparse_params(), shape, decoder.impl)
     return decoder
 
 
@@ -274,6 +340,9 @@ def create_backend(runner: "ModelRunner"):
             name = "flashinfer"
         except ImportError:
             name = "triton"
+        if cfg.prefill != "exact":
+            logger.warning("--spec-prefill %s is CPU-only for now: on CUDA prefill "
+                           "is exact", cfg.prefill)
         if cfg.mode != "exact":
             # Unverified: no CUDA path wires SparseDecoder (FlashInferSparseDecode
             # plan/run exists in sgl_spec.kernels but is not integrated, and
@@ -286,4 +355,5 @@ def create_backend(runner: "ModelRunner"):
         logger.info("sgl_spec exact mode on CUDA: delegating to sglang's %s backend", name)
         return ATTENTION_BACKENDS[name](runner)
     sparse = None if cfg.mode == "exact" else create_sparse_decoder(runner, cfg)
-    return SpecAttnBackend(runner, sparse)
+    prefill = None if cfg.prefill == "exact" else create_sparse_prefill(runner, cfg)
+    return SpecAttnBackend(runner, sparse, prefill)

@@ -1,8 +1,10 @@
-"""Prometheus metrics of sparse decode, exported beside sglang's own.
+"""Prometheus metrics of sparse decode and sparse prefill, exported beside sglang's own.
 
 Created in the scheduler process only with ``--enable-metrics`` and a sparse
-``--spec-mode`` (sglang's multiprocess collector then serves them from
-``/metrics``). A request-step is one request in one decode forward pass.
+``--spec-mode`` (:class:`SparseMetrics`) or ``--spec-prefill loopserve``
+(:class:`PrefillMetrics`); sglang's multiprocess collector then serves them from
+``/metrics``. A request-step is one request in one decode forward pass; a
+request-extend is one request in one extend (prefill) forward pass.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 
 # Attended positions per sparse request-step: powers of two up to 64k.
 _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 17))
+# Selected fraction of the causal extend matrix.
+_DENSITY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
 
 
 class SparseMetrics:
@@ -57,3 +61,46 @@ class SparseMetrics:
 
     def set_live_states(self, n: int) -> None:
         self.live_states.set(n)
+
+
+class PrefillMetrics:
+    def __init__(self):
+        from prometheus_client import Counter, Histogram
+
+        self.extends = Counter(
+            name="sgl_spec:sparse_prefill_extends",
+            documentation="Request-extends by prefill attention path: 'sparse' "
+            "attended the selected vertical/slash lines, 'exact' everything "
+            "(fewer than --spec-prefill-min-tokens new tokens).",
+            labelnames=("path",),
+        )
+        for path in ("sparse", "exact"):
+            self.extends.labels(path=path)
+        self.density = Histogram(
+            name="sgl_spec:sparse_prefill_density",
+            documentation="Selected cells / causal cells per sparse request-extend, "
+            "mean over layers and KV heads.",
+            buckets=_DENSITY_BUCKETS,
+        )
+        self.select_seconds = Counter(
+            name="sgl_spec:sparse_prefill_select_seconds",
+            documentation="Time spent selecting lines (all layers) in sparse "
+            "request-extends.",
+        )
+        self.seeded = Counter(
+            name="sgl_spec:sparse_prefill_seeded_extends",
+            documentation="Sparse request-extends whose selection was seeded with "
+            "the stored lines of the sequence they continue (--spec-prefill-reuse).",
+        )
+
+    def observe_pass(self, sparse: int, exact: int) -> None:
+        if sparse:
+            self.extends.labels(path="sparse").inc(sparse)
+        if exact:
+            self.extends.labels(path="exact").inc(exact)
+
+    def observe_extend(self, density: float, select_s: float, seeded: bool) -> None:
+        self.density.observe(density)
+        self.select_seconds.inc(select_s)
+        if seeded:
+            self.seeded.inc()

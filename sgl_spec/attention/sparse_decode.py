@@ -43,7 +43,9 @@ import torch
 from sgl_spec.kernels.sparse_decode import IMPLS, sparse_decode
 from sgl_spec.kernels.sparse_decode.torch_cached import (
     FixedKV,
+    RecentIndex,
     gather_fixed,
+    recent_index,
     sparse_decode_cached,
 )
 from sgl_spec.sparse import SelectionPolicy, Subset, pack_subsets
@@ -116,6 +118,7 @@ class SparseDecoder:
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
         # impl "torch-cached": rid -> layer -> (the selection it was gathered for, K/V)
         self._fixed: dict[str, dict[int, tuple[torch.Tensor, FixedKV]]] = {}
+        self._recent: tuple[tuple, RecentIndex] | None = None  # (pass key, index)
         self._rows: list[_Row] = []
         self._attending = 0  # rows of _rows with a policy state that attends layers
         self._prefill: list[_PrefillRow] = []
@@ -238,11 +241,10 @@ class SparseDecoder:
             if self.impl == CACHED:
                 fixed = [self._fixed_kv(layer, b, sub, k_buf, v_buf, req_to_token)
                          for b, sub in zip(sparse, subsets)]
-                recent = torch.tensor([s.recent_start for s in subsets], device=q.device)
-                out[idx] = sparse_decode_cached(
-                    q[idx], fixed, k_buf, v_buf, req_to_token, req_pool_indices[idx],
-                    seq_lens[idx], recent, scale=scale,
-                )
+                recent = self._recent_index(sparse, subsets, fixed, req_to_token,
+                                            req_pool_indices, seq_lens, k_buf.shape[1])
+                out[idx] = sparse_decode_cached(q[idx], fixed, k_buf, v_buf, recent,
+                                                scale=scale)
             else:
                 packed = pack_subsets(subsets, k_buf.shape[1], q.device)
                 out[idx] = sparse_decode(
@@ -266,6 +268,23 @@ class SparseDecoder:
                                  sink_end)
             hit = per_layer[layer] = (sub.sel_idx, fixed)
         return hit[1]
+
+    def _recent_index(self, sparse, subsets, fixed, req_to_token, req_pool_indices, seq_lens,
+                      num_kv_heads) -> RecentIndex:
+        """The pass's recent windows, built at its first sparse layer and reused by the
+        others (the same rows with the same windows, which is the rule)."""
+        key = (self._forward, tuple(sparse), tuple(s.recent_start for s in subsets),
+               tuple(f.sink_end for f in fixed))
+        if self._recent is None or self._recent[0] != key:
+            dev = req_pool_indices.device
+            idx = torch.tensor(sparse, device=dev)
+            index = recent_index(
+                req_to_token, req_pool_indices[idx], seq_lens[idx],
+                torch.tensor(key[2], device=dev), torch.tensor(key[3], device=dev),
+                num_kv_heads,
+            )
+            self._recent = (key, index)
+        return self._recent[1]
 
     def _count(self, exact: list[int], sparse: list[int], subsets: list[Subset]) -> None:
         selected = []

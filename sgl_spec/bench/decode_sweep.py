@@ -26,6 +26,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import requests
@@ -46,6 +47,10 @@ SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)
 RATIOS: tuple[tuple[str, str], ...] = ((LOOPSERVE, "stock"), (LOOPSERVE, "sgl_spec exact"),
                                        ("sgl_spec exact", "stock"))
 PNG = "decode_speed.png"
+# Tokens after the LATE_FROM-th: past loopserve's first selection (decode step 16,
+# the 17th token), the rate a long generation settles at; reported beside the rate
+# over all N - 1 decode steps, which the ratios use.
+LATE_FROM = 17
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,8 @@ def generate(url: str, ids: list[int], n: int) -> dict:
     body = {"input_ids": ids, "stream": True, "sampling_params":
             {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
+    ttft, t_late, tokens = None, None, 0
+    with requests.post(url + "/generate", json=body, stream=True, timeout=1200) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -102,11 +107,17 @@ def generate(url: str, ids: list[int], n: int) -> dict:
             tokens = json.loads(line[5:])["meta_info"]["completion_tokens"]
             if ttft is None and tokens >= 1:
                 ttft = time.perf_counter() - t0
+            if t_late is None and tokens >= LATE_FROM:
+                t_late, late_tokens = time.perf_counter() - t0, tokens
     latency = time.perf_counter() - t0
     if tokens != n or ttft is None:
         raise RuntimeError(f"asked for {n} tokens (ignore_eos), got {tokens}")
+    late = None
+    if t_late is not None and n > late_tokens and latency > t_late:
+        late = (n - late_tokens) / (latency - t_late)
     return {"ttft_s": ttft, "latency_s": latency,
-            "decode_tok_s": (n - 1) / (latency - ttft) if latency > ttft else None}
+            "decode_tok_s": (n - 1) / (latency - ttft) if latency > ttft else None,
+            "late_tok_s": late}
 
 
 def decode_steps(url: str) -> dict[str, float]:
@@ -125,12 +136,16 @@ def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
         for _ in range(plan.repeats):
             reqs = list(pool.map(lambda p: generate(url, p, plan.new_tokens), prompts))
             rates = [q["decode_tok_s"] for q in reqs]
+            late = [q["late_tok_s"] for q in reqs]
             rounds.append({"requests": reqs, "aggregate_tok_s":
-                           None if None in rates else sum(rates)})
+                           None if None in rates else sum(rates),
+                           "aggregate_late_tok_s": None if None in late else sum(late)})
         after = decode_steps(url)
     steps = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
     agg = [r["aggregate_tok_s"] for r in rounds if r["aggregate_tok_s"] is not None]
+    late = [r["aggregate_late_tok_s"] for r in rounds if r["aggregate_late_tok_s"] is not None]
     return {"tok_s_median": statistics.median(agg) if agg else None,
+            "late_tok_s_median": statistics.median(late) if late else None,
             "ttft_median_s": statistics.median(q["ttft_s"] for r in rounds
                                                for q in r["requests"]),
             "decode_steps": steps, "sparse": None if steps is None else
@@ -160,13 +175,13 @@ def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, ou
             "points": points}
 
 
-def ratios(configs: list[dict]) -> dict[str, dict[str, float | None]]:
+def ratios(configs: list[dict], key: str = "tok_s_median") -> dict[str, dict[str, float | None]]:
     by = {c["name"]: c["points"] for c in configs}
     out = {}
     for num, den in RATIOS:
         if num in by and den in by:
-            out[f"{num} / {den}"] = {k: (p["tok_s_median"] / by[den][k]["tok_s_median"]
-                                         if p["tok_s_median"] and by[den][k]["tok_s_median"]
+            out[f"{num} / {den}"] = {k: (p.get(key) / by[den][k].get(key)
+                                         if p.get(key) and by[den][k].get(key)
                                          else None) for k, p in by[num].items()}
     return out
 
@@ -198,6 +213,20 @@ def markdown(res: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Sparse steps: request-steps that attended a sparse subset / all "
               "decode request-steps of the point (timed rounds).", ""]
+    late = res.get("late_ratios")
+    if late:
+        head = ["history", "batch", *(f"{c['name']} tok/s" for c in configs), *late]
+        lines += [f"## After loopserve's first selection (tokens {LATE_FROM + 1}..N)", "",
+                  f"Rate over the tokens after the {LATE_FROM}th (decode step 16 selects), "
+                  "where a long generation spends its time; medians as above.", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for key in configs[0]["points"]:
+            p0 = configs[0]["points"][key]
+            row = [str(p0["history"]), str(p0["batch"]),
+                   *(_f(c["points"][key].get("late_tok_s_median"), ".2f") for c in configs),
+                   *(_f(r[key], ".3f") for r in late.values())]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -229,9 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="N=24 tokens, 1 repeat")
     ap.add_argument("--repeats", type=int, metavar="R", help="override the repeats (>= 1)")
     ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    ap.add_argument("--histories", type=int, nargs="+", metavar="H",
+                    help=f"history lengths in tokens (default: {SweepPlan.histories})")
+    ap.add_argument("--batches", type=int, nargs="+", metavar="B",
+                    help=f"batch sizes (default: {SweepPlan.batches})")
+    ap.add_argument("--new-tokens", type=int, metavar="N",
+                    help="tokens generated per request (default: 64; --quick 24)")
     args = ap.parse_args(argv)
     try:
         plan = SweepPlan.preset(args.quick, args.repeats)
+        over = {k: v for k, v in (("histories", args.histories), ("batches", args.batches),
+                                  ("new_tokens", args.new_tokens)) if v is not None}
+        plan = dataclasses.replace(plan, **{k: tuple(v) if isinstance(v, list) else v
+                                            for k, v in over.items()})
     except ValueError as exc:
         ap.error(str(exc))
     from transformers import AutoConfig, AutoTokenizer
@@ -265,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     meta.update(duration_s=time.perf_counter() - t0,
                 load_average_after=provenance.load_average())
-    res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs)}
+    res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs),
+           "late_ratios": ratios(configs, "late_tok_s_median")}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:

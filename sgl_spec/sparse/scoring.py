@@ -41,7 +41,7 @@ def score_history(
     # Rows of one KV head's group: (query, head in group); scale folded into q.
     qg = (q.float() * scale).reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
     kh = k.to(mm).transpose(0, 1).contiguous()  # [Hkv, N, D]: one pass over the keys
-    logits = torch.bmm(qg.to(mm), kh.transpose(1, 2)).float()  # [Hkv, n * G, N]
+    logits = torch.bmm(qg.to(mm), kh.transpose(1, 2))  # [Hkv, n * G, N]
     if q_pos is not None and n:
         # Only columns after the earliest query can be in some query's future.
         lo = int(q_pos.min()) + 1
@@ -51,7 +51,7 @@ def score_history(
             logits[:, :, lo:].masked_fill_(
                 future.repeat_interleave(g, dim=0)[None], float("-inf")
             )
-    return torch.softmax(logits, dim=-1).sum(dim=1)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=1)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""LoopServe online prefill sparsification in the serving backend (LoopServe §5.2).
+
+``--spec-prefill loopserve``: an extend of a request with at least ``min_tokens``
+new tokens (a new turn, or a chunk of one) selects vertical/slash lines per layer
+and KV head from a sample of its own queries (``select_lines``, Algorithm 2) and
+attends only those lines (``vslash_attention``, torch impl). Shorter extends take
+the exact path unchanged. The backend calls, per forward pass:
+
+    begin_pass(extend_lens)                    once, before the layers
+    wants(q_len) -> bool                       per request and layer
+    extend(layer, i, slots, q, k, v, ...)      instead of the dense SDPA call
+
+Reuse across turns: with ``reuse`` on, a request's per-layer lines are stored at
+the end of its extend (after its last layer) in a :class:`LineStore`, keyed by
+the KV slots of the sequence it was selected on; a later extend whose cached
+prefix is that sequence (the next turn of the chat, the next chunk of a chunked
+prefill) passes them as ``seeds`` to the selection.
+
+Stats: per layer the selected density (cells / causal cells) and the selection
+and attention time; recovered mass needs full attention and is not computed here
+(``sgl_spec.bench.prefill_mass`` measures it offline).
+
+Not thread-safe: the scheduler thread that runs the forward pass makes every call.
+Tensors passed in are read, never kept; the store keeps the selected lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from sgl_spec.attention.line_store import FINGERPRINT_LAYER, Fingerprint, LineStore, fingerprint
+from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines, vslash_attention
+
+logger = logging.getLogger(__name__)
+
+
+class Metrics(Protocol):
+    """What the prefill reports to (``sgl_spec.attention.metrics.PrefillMetrics``)."""
+
+    def observe_pass(self, sparse: int, exact: int) -> None: ...
+    def observe_extend(self, density: float, select_s: float, seeded: bool) -> None: ...
+
+
+@dataclass
+class LayerStats:
+    """Cumulative over this layer's sparse request-extends."""
+
+    extends: int = 0
+    density: float = 0.0  # summed mean-over-heads density
+    select_s: float = 0.0
+    attend_s: float = 0.0
+    seeded: int = 0  # extends whose selection had seeds
+
+    def as_dict(self) -> dict:
+        n = max(self.extends, 1)
+        return {"extends": self.extends, "density": self.density / n,
+                "select_ms": 1e3 * self.select_s / n, "attend_ms": 1e3 * self.attend_s / n,
+                "seeded": self.seeded}
+
+
+@dataclass
+class PrefillStats:
+    sparse_extends: int = 0  # request-extends (one request in one pass), all layers
+    exact_extends: int = 0
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"sparse_extends": self.sparse_extends, "exact_extends": self.exact_extends,
+                "layers": {k: v.as_dict() for k, v in sorted(self.layers.items())}}
+
+
+class _Turn:
+    """One request's sparse extend in the current pass."""
+
+    def __init__(self, seeds: dict[int, LineSet] | None, key: Fingerprint | None):
+        self.seeds = seeds  # layer -> lines of the stored earlier extend
+        self.key = key  # where this extend's lines are stored (None: not stored)
+        self.lines: dict[int, LineSet] = {}
+        self.density = 0.0
+        self.select_s = 0.0
+
+
+class SparsePrefill:
+    def __init__(
+        self,
+        select: SelectConfig,
+        min_tokens: int,
+        num_layers: int,
+        *,
+        store: LineStore | None = None,  # None: no reuse across turns
+        metrics: Metrics | None = None,
+    ):
+        if min_tokens < 1 or num_layers < 1:
+            raise ValueError(
+                f"min_tokens ({min_tokens}) and num_layers ({num_layers}) must be >= 1"
+            )
+        self.select = select
+        self.min_tokens = min_tokens
+        self.num_layers = num_layers
+        self.store = store
+        self.metrics = metrics
+        self.stats = PrefillStats()
+        self._turns: dict[int, _Turn] = {}  # batch index -> state, this pass
+
+    def begin_pass(self, extend_lens: Sequence[int] | None) -> None:
+        """A new forward pass; ``extend_lens`` per request (None: not an extend)."""
+        self._turns.clear()
+        if not extend_lens:
+            return
+        sparse = sum(1 for n in extend_lens if self.wants(n))
+        self.stats.sparse_extends += sparse
+        self.stats.exact_extends += len(extend_lens) - sparse
+        if self.metrics is not None:
+            self.metrics.observe_pass(sparse, len(extend_lens) - sparse)
+
+    def wants(self, q_len: int) -> bool:
+        return q_len >= self.min_tokens
+
+    def extend(
+        self,
+        layer: int,
+        index: int,  # the request's position in the batch
+        slots: torch.Tensor,  # [N+n] int32 KV-pool slots of the request's sequence
+        q: torch.Tensor,  # [n, Hq, D]
+        k: torch.Tensor,  # [N+n, Hkv, D], history then new keys
+        v: torch.Tensor,  # [N+n, Hkv, D]
+        history_len: int,  # N, cached prefix
+        scale: float | None,
+        key_cache: torch.Tensor,  # [pool_size, Hkv, D] this layer's key buffer
+    ) -> torch.Tensor:  # [n, Hq, D], q.dtype
+        """Select this layer's lines and attend them (LoopServe Alg. 2 + §5.2)."""
+        turn = self._turns.get(index)
+        if turn is None:
+            turn = self._turns[index] = self._start(layer, slots, history_len, key_cache)
+        seeds = turn.seeds.get(layer) if turn.seeds else None
+        t0 = time.perf_counter()
+        lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
+        t1 = time.perf_counter()
+        out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
+        t2 = time.perf_counter()
+        dens = float(density(lines, q.shape[0], history_len).mean())
+        st = self.stats.layers.setdefault(layer, LayerStats())
+        st.extends += 1
+        st.density += dens
+        st.select_s += t1 - t0
+        st.attend_s += t2 - t1
+        st.seeded += seeds is not None
+        turn.density += dens
+        turn.select_s += t1 - t0
+        if turn.key is not None:
+            turn.lines[layer] = lines
+        if layer == self.num_layers - 1:
+            self._finish(turn)
+        return out
+
+    def _start(self, layer: int, slots: torch.Tensor, history_len: int,
+               key_cache: torch.Tensor) -> _Turn:
+        # The fingerprint reads FINGERPRINT_LAYER's keys: only there can a turn
+        # be looked up and stored (layers run in order, so that is the first call).
+        if self.store is None or layer != FINGERPRINT_LAYER:
+            return _Turn(None, None)
+        seeds = self.store.lookup(slots, history_len, key_cache)
+        return _Turn(seeds, fingerprint(slots, slots.numel(), key_cache))
+
+    def _finish(self, turn: _Turn) -> None:
+        if turn.key is not None and len(turn.lines) == self.num_layers:
+            self.store.put(turn.key, turn.lines)
+        if self.metrics is not None:
+            self.metrics.observe_extend(turn.density / self.num_layers, turn.select_s,
+                                        turn.seeds is not None)

@@ -1,0 +1,242 @@
+"""Time to first token against new-turn length: sgl_spec exact vs LoopServe sparse prefill.
+
+    python -m sgl_spec.bench.prefill_sweep --out results/prefill-sweep [--quick]
+
+One server at a time (``CONFIGS``). For each length N (``SweepPlan.lengths``; the
+first is below ``--spec-prefill-min-tokens``, a check that short turns cost the
+same): flush the cache, then send ``repeats`` fresh prompts of exactly N corpus
+tokens (a different text per repeat, so nothing is cached) with
+``max_new_tokens=1``; TTFT is the request latency. Medians over repeats; ratios
+against ``sgl_spec exact`` measured in the same run. Writes ``results.json``,
+``results.md`` and ``prefill_ttft.png``.
+
+Every server gets the harness's common flags (``--enable-metrics`` among them);
+the ``sgl_spec:sparse_prefill_extends_total`` counters (read before and after
+each point) say how many request-extends took the sparse path, so a point that
+silently ran exact is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import requests
+
+from sgl_spec.bench import provenance
+from sgl_spec.bench.configset import ServerConfig
+from sgl_spec.bench.server import ServerProcess, ServerStartError
+
+logger = logging.getLogger(__name__)
+
+REFERENCE = "sgl_spec exact"
+CONFIGS: tuple[ServerConfig, ...] = (
+    ServerConfig(REFERENCE, "sgl_spec", ("--spec-prefill", "exact")),
+    ServerConfig("loopserve-prefill a=0.955", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.955")),
+    ServerConfig("loopserve-prefill a=0.98", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98")),
+)
+SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)  # after configset.COMMON_FLAGS
+PNG = "prefill_ttft.png"
+_EXTENDS = re.compile(
+    r'^sgl_spec:sparse_prefill_extends_total\{[^}]*path="(\w+)"[^}]*\}\s+(\S+)', re.M)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 6144)  # new-turn tokens
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 16:
+            raise ValueError(f"lengths must be >= 16 tokens, got {self.lengths}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+
+    @classmethod
+    def preset(cls, quick: bool, repeats: int | None = None) -> SweepPlan:
+        lengths, r = ((1024, 4096), 1) if quick else ((1024, 2048, 4096, 6144), 3)
+        return cls(lengths=lengths, repeats=r if repeats is None else repeats)
+
+
+def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
+    """``repeats`` + 1 (a warm-up) different prompts of exactly ``n`` tokens per length."""
+    from sgl_spec.bench import corpus
+
+    out = {}
+    for n in plan.lengths:  # corpus text is <= its budget, within 2 %: ask a bit more
+        docs = [corpus.document(tokenizer, int(n * 1.03) + 16, seed=plan.seed + 1000 * n + i)
+                for i in range(plan.repeats + 1)]
+        out[n] = [tokenizer.encode(d, add_special_tokens=False)[:n] for d in docs]
+        short = [len(p) for p in out[n] if len(p) != n]
+        if short:
+            raise ValueError(f"corpus prompts of {short} tokens, wanted {n}")
+    return out
+
+
+def first_token(url: str, ids: list[int]) -> dict:
+    """One greedy /generate of one token; its latency is the TTFT."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    latency = time.perf_counter() - t0
+    r.raise_for_status()
+    meta = r.json()["meta_info"]
+    return {"ttft_s": latency, "cached_tokens": meta.get("cached_tokens", 0)}
+
+
+def parse_extends(text: str) -> dict[str, float]:
+    """``sgl_spec:sparse_prefill_extends_total`` by path from /metrics text."""
+    out: dict[str, float] = {}
+    for path, value in _EXTENDS.findall(text):
+        out[path] = out.get(path, 0.0) + float(value)
+    return out
+
+
+def _extends(url: str) -> dict[str, float]:
+    return parse_extends(requests.get(url + "/metrics", timeout=30).text)
+
+
+def measure(url: str, prompts: list[list[int]]) -> dict:
+    """One length: a warm-up prompt, then each timed prompt once (all distinct)."""
+    first_token(url, prompts[0])
+    before = _extends(url)
+    reqs = [first_token(url, p) for p in prompts[1:]]
+    after = _extends(url)
+    extends = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
+    return {"ttft_median_s": statistics.median(r["ttft_s"] for r in reqs),
+            "cached_tokens_max": max(r["cached_tokens"] for r in reqs),
+            "extends": extends, "load_average": provenance.load_average(), "requests": reqs}
+
+
+def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, out_dir: str,
+               bar) -> dict:
+    args = [*cfg.server_args(model), *SWEEP_FLAGS]
+    log = os.path.join(out_dir, f"server-{cfg.slug}.log")
+    bar.set_description(f"{cfg.name}: starting")
+    points: dict[str, dict] = {}
+    with ServerProcess(cfg.module, args, log_path=log) as server:
+        for n in plan.lengths:
+            requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+            bar.set_description(f"{cfg.name}: {n} tok")
+            points[str(n)] = {"tokens": n, **measure(server.url, prompts[n])}
+            bar.update(1)
+    return {"name": cfg.name, "config": asdict(cfg), "module": cfg.module, "args": args,
+            "peak_rss_bytes": server.peak_rss_bytes, "log": log, "points": points}
+
+
+def ratios(configs: list[dict], reference: str = REFERENCE) -> dict[str, dict[str, float]]:
+    """TTFT of each configuration / the reference's, per length."""
+    by = {c["name"]: c["points"] for c in configs}
+    if reference not in by:
+        return {}
+    ref = by[reference]
+    return {name: {k: p["ttft_median_s"] / ref[k]["ttft_median_s"] for k, p in pts.items()
+                   if k in ref and ref[k]["ttft_median_s"] > 0}
+            for name, pts in by.items() if name != reference}
+
+
+def markdown(res: dict) -> str:
+    configs = res["configs"]
+    lengths = [str(n) for n in res["plan"]["lengths"]]
+    lines = ["# TTFT of a fresh prompt vs length (median, seconds)", "",
+             "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+             "|---" * (len(lengths) + 1) + "|"]
+    for c in configs:
+        cells = []
+        for n in lengths:
+            p = c["points"].get(n)
+            sparse = (p or {}).get("extends") or {}
+            mark = "*" if sparse.get("sparse", 0) > 0 else ""
+            cells.append("n/a" if p is None else f"{p['ttft_median_s']:.3f}{mark}")
+        lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "`*`: sparse request-extends counted at that point.", "",
+              f"## TTFT ratio vs {REFERENCE}", "",
+              "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+              "|---" * (len(lengths) + 1) + "|"]
+    for name, r in res["ratios"].items():
+        lines.append(f"| {name} | " + " | ".join(
+            f"{r[n]:.2f}" if n in r else "n/a" for n in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> str:
+    from sgl_spec.bench.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in res["ratios"].items():
+        xs = sorted(int(n) for n in r)
+        ax.plot(xs, [r[str(x)] for x in xs], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="prompt tokens (fresh, uncached)", ylabel=f"TTFT / {REFERENCE}",
+           title="Sparse prefill: TTFT ratio")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m sgl_spec.bench.prefill_sweep",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, 1 repeat")
+    ap.add_argument("--repeats", type=int, metavar="R", help="override the repeats (>= 1)")
+    ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    args = ap.parse_args(argv)
+    try:
+        plan = SweepPlan.preset(args.quick, args.repeats)
+    except ValueError as exc:
+        ap.error(str(exc))
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sgl_spec.prepare_model import prepare
+
+    model = args.model_path or prepare()
+    if not os.path.isdir(model):
+        ap.error(f"--model-path {model!r} is not a directory")
+    window = AutoConfig.from_pretrained(model).max_position_embeddings
+    if max(plan.lengths) + 1 > window:
+        ap.error(f"length {max(plan.lengths)} exceeds the model's {window}-token window")
+    os.makedirs(args.out, exist_ok=True)
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
+            "quick": args.quick, "sweep_flags": list(SWEEP_FLAGS),
+            "load_average_before": provenance.load_average(),
+            "machine": provenance.machine(), "git": provenance.git()}
+    prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
+    configs = []
+    with tqdm(total=len(CONFIGS) * len(plan.lengths), unit="point", dynamic_ncols=True) as bar:
+        try:
+            for cfg in CONFIGS:
+                configs.append(run_config(cfg, model, prompts, plan, args.out, bar))
+        except ServerStartError as exc:
+            print(f"error: configuration {cfg.name!r}: {exc}")
+            return 1
+    meta.update(duration_s=time.perf_counter() - t0,
+                load_average_after=provenance.load_average())
+    res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs)}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(markdown(res))
+    plot(res, os.path.join(args.out, PNG))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

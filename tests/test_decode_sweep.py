@@ -1,0 +1,46 @@
+"""decode_sweep's pure parts: plan validation from the CLI, ratios and the report tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_spec.bench import decode_sweep as ds
+
+
+def _point(h, b, tok_s, late):
+    return {"history": h, "batch": b, "tok_s_median": tok_s, "late_tok_s_median": late,
+            "decode_steps": None}
+
+
+def _res():
+    configs = [
+        {"name": "stock", "points": {"7168x1": _point(7168, 1, 4.0, 4.0)}},
+        {"name": "sgl_spec exact", "points": {"7168x1": _point(7168, 1, 3.5, 3.6)}},
+        {"name": ds.LOOPSERVE, "points": {"7168x1": _point(7168, 1, 12.0, 16.0)}},
+    ]
+    return {"meta": {"started": "now", "model": "m", "duration_s": 60,
+                     "load_average_before": [0], "load_average_after": [0]},
+            "plan": {"new_tokens": 256, "repeats": 2}, "configs": configs,
+            "ratios": ds.ratios(configs), "late_ratios": ds.ratios(configs, "late_tok_s_median")}
+
+
+def test_ratios_over_all_tokens_and_after_the_first_selection():
+    res = _res()
+    assert res["ratios"][f"{ds.LOOPSERVE} / stock"]["7168x1"] == pytest.approx(3.0)
+    assert res["late_ratios"][f"{ds.LOOPSERVE} / stock"]["7168x1"] == pytest.approx(4.0)
+    md = ds.markdown(res)
+    assert "| 7168 | 1 | 4.00 | 3.50 | 12.00 | 3.000 |" in md
+    assert "After loopserve's first selection" in md and "| 4.000 |" in md
+
+
+def test_bad_plan_values_are_clean_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        ds.main(["--out", "/tmp/x", "--histories", "8"])
+    assert exc.value.code == 2 and "histories must be >= 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        ds.main(["--out", "/tmp/x", "--new-tokens", "1"])
+    assert exc.value.code == 2 and "new_tokens must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        ds.main(["--out", "/tmp/x", "--histories", "1024", "--batches", "1", "--new-tokens",
+                 "8", "--model-path", "/nonexistent"])
+    assert exc.value.code == 2 and "is not a directory" in capsys.readouterr().err

@@ -1,0 +1,87 @@
+"""LoopServe sparse prefill on a real server: a long prompt with a planted fact takes
+the sparse path and answers like exact mode; a short prompt is exact mode's, token
+for token. One server at a time (2-core machines): the exact reference first."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import COMMON_FLAGS, _log_path
+from sgl_spec.bench import corpus
+from sgl_spec.bench.dataset import Fact
+from sgl_spec.bench.server import SPEC, ServerProcess
+
+QUESTION = "What is the capital of France?"
+FACT = Fact(turn=0, colour="golden", object="lighthouse", kind="number", value="4817")
+SPARSE = 'sgl_spec:sparse_prefill_extends_total{path="sparse"}'
+EXACT = 'sgl_spec:sparse_prefill_extends_total{path="exact"}'
+
+
+def chatml(user: str) -> str:
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def long_prompt(hf_tok) -> str:
+    """~1500 tokens of corpus prose, the fact planted at a sentence end in the middle."""
+    text = corpus.document(hf_tok, 1450, seed=11)
+    cut = text.find(". ", len(text) // 2) + 1 or len(text) // 2
+    return chatml(f"{text[:cut]} {FACT.sentence}{text[cut:]}\n\n{FACT.question}")
+
+
+def generate(url: str, text: str, max_new_tokens: int) -> dict:
+    body = {"text": text, "sampling_params": {"temperature": 0,
+                                              "max_new_tokens": max_new_tokens}}
+    resp = requests.post(url + "/generate", json=body, timeout=300)
+    resp.raise_for_status()
+    return resp.json()
+
+
+def extends(url: str) -> dict[str, float]:
+    out = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("sgl_spec:sparse_prefill_extends_total"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def delta(after: dict, before: dict, key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+@pytest.mark.server
+class TestSparsePrefill:
+    @pytest.fixture(scope="class")
+    def servers(self, model_path, hf_tok, tmp_path_factory):
+        prompts = {"long": long_prompt(hf_tok), "short": chatml(QUESTION)}
+        flags = ["--model-path", model_path, *COMMON_FLAGS]
+        with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "exact")) as s:
+            reference = {k: generate(s.url, p, 24) for k, p in prompts.items()}
+        sparse = flags + ["--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "256"]
+        with ServerProcess(SPEC, sparse,
+                           log_path=_log_path(tmp_path_factory, "loopserve-prefill")) as s:
+            yield s, prompts, reference
+
+    def test_long_prompt_prefills_sparse_and_answers_like_exact(self, servers):
+        server, prompts, reference = servers
+        before = extends(server.url)
+        out = generate(server.url, prompts["long"], 24)
+        after = extends(server.url)
+        assert 1300 <= out["meta_info"]["prompt_tokens"] <= 1700
+        assert delta(after, before, SPARSE) >= 1  # chunked prefill may split it
+        assert delta(after, before, EXACT) == 0
+        want = reference["long"]
+        if FACT.value in want["text"]:
+            assert FACT.value in out["text"], (out["text"], want["text"])
+        else:  # exact mode misses the fact too: the answers must still agree closely
+            assert out["output_ids"][:4] == want["output_ids"][:4], (out["text"], want["text"])
+
+    def test_short_prompt_is_exact_modes(self, servers):
+        server, prompts, reference = servers
+        before = extends(server.url)
+        out = generate(server.url, prompts["short"], 24)
+        after = extends(server.url)
+        assert out["meta_info"]["prompt_tokens"] < 256
+        assert out["output_ids"] == reference["short"]["output_ids"]
+        assert delta(after, before, SPARSE) == 0 and delta(after, before, EXACT) == 1
