@@ -40,10 +40,12 @@ class SpecConfig:
     # Sparse prefill (sgl_spec.attention.sparse_prefill), independent of ``mode``.
     prefill: str = "exact"
     prefill_alpha: float = 0.955
-    # Where select + line-sparse attention starts beating dense SDPA for the
-    # default model's shape (kernels/vslash/bench.py --crossover; README).
+    # kernels/vslash/bench.py --crossover on the default model: select + line-sparse
+    # attention never beat SDPA below 4k fresh tokens (0.34-0.71x), and came closest
+    # (0.8-0.99x) for 2k-token turns over a cached history; shorter extends stay exact.
     prefill_min_tokens: int = 2048
     prefill_reuse: bool = True
+    prefill_max_density: float = 0.18  # sgl_spec.attention.sparse_prefill.MAX_DENSITY
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -70,6 +72,11 @@ class SpecConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
                 f"--spec-prefill-min-tokens {n!r} is invalid; valid range: integers >= 1"
+            )
+        dmax = self.prefill_max_density
+        if isinstance(dmax, bool) or not isinstance(dmax, (int, float)) or not 0.0 < dmax <= 1.0:
+            raise ValueError(
+                f"--spec-prefill-max-density {dmax!r} is invalid; valid range: a number in (0, 1]"
             )
 
     def sparse_params(self) -> SparseParams:
@@ -194,6 +201,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         f"{defaults.prefill_min_tokens}.",
     )
     group.add_argument(
+        "--spec-prefill-max-density",
+        type=_float_or_text,
+        default=defaults.prefill_max_density,
+        metavar="FLOAT",
+        help="loopserve prefill: a layer whose selected lines cover more than this "
+        "share of the causal cells makes the dense call instead (the line kernel "
+        "would cost more), and skips its selection in the next extends, re-selecting "
+        f"every 8th. Number in (0, 1]; 1 never falls back. Default: "
+        f"{defaults.prefill_max_density}.",
+    )
+    group.add_argument(
         "--spec-prefill-reuse",
         action=argparse.BooleanOptionalAction,
         default=defaults.prefill_reuse,
@@ -220,6 +238,7 @@ def from_cli_args(args: argparse.Namespace) -> SpecConfig:
         prefill_alpha=args.spec_prefill_alpha,
         prefill_min_tokens=args.spec_prefill_min_tokens,
         prefill_reuse=args.spec_prefill_reuse,
+        prefill_max_density=args.spec_prefill_max_density,
         **{dest: getattr(args, dest) for dest in _SPARSE_HELP},
     )
 

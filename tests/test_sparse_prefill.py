@@ -43,8 +43,8 @@ class _Recorder(SparsePrefill):
         super().__init__(*a, **kw)
         self.seen: list = []
 
-    def extend(self, layer, index, slots, q, k, v, history_len, scale, key_cache):
-        out = super().extend(layer, index, slots, q, k, v, history_len, scale, key_cache)
+    def extend(self, layer, index, slots, q, k, v, history_len, scale, key_cache, exact=None):
+        out = super().extend(layer, index, slots, q, k, v, history_len, scale, key_cache, exact)
         self.seen.append((index, select_lines(q, k, history_len, self.select, scale)))
         return out
 
@@ -53,7 +53,7 @@ class _Recorder(SparsePrefill):
 def test_sparse_extend_equals_dense_reference_on_its_lines(dtype):
     # Request 0: 40 new over a 30-token prefix (sparse); request 1: 5 new (exact).
     batch = _make_batch([30, 10], [40, 5], heads=6, kv_heads=2, dim=16, dtype=dtype)
-    sp = _Recorder(CFG, min_tokens=16, num_layers=1)
+    sp = _Recorder(CFG, min_tokens=16, num_layers=1, max_density=1.0)
     sp.begin_pass([40, 5])
     got = _extend(_backend(sp), batch)
     assert not torch.isnan(got).any()
@@ -78,6 +78,26 @@ def test_below_min_tokens_is_bit_identical_to_exact():
     assert torch.equal(_extend(_backend(sp), batch), _extend(_backend(None), batch))
     assert (sp.stats.sparse_extends, sp.stats.exact_extends) == (0, 3)
     assert not sp.stats.layers
+
+
+def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(monkeypatch):
+    from sgl_spec.attention import sparse_prefill as mod
+
+    batch = _make_batch([30], [40], heads=6, kv_heads=2, dim=16)
+    dense = _extend(_backend(None), batch)
+    calls = []
+    real = mod.select_lines
+    monkeypatch.setattr(mod, "select_lines", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1e-6)
+    for _ in range(mod.REPROBE_EVERY + 1):
+        sp.begin_pass([40])
+        assert torch.equal(_extend(_backend(sp), batch), dense)  # exact mode's very call
+    # Selected once, found too dense, skipped 7 extends, re-selected at the 8th extend after.
+    assert len(calls) == 2
+    st = sp.stats.layers[0]
+    assert st.dense == mod.REPROBE_EVERY + 1 and st.extends == 2
+    with pytest.raises(ValueError, match="max_density"):
+        SparsePrefill(CFG, min_tokens=1, num_layers=1, max_density=0)
 
 
 def test_no_layer_id_means_exact():

@@ -207,33 +207,36 @@ class SpecAttnBackend(TorchNativeAttnBackend):
             q_len = seq_len - prefix
             end_q = start_q + q_len
             tokens = req_to_token[req_pool_indices[i], :seq_len]
+
+            def exact(start_q=start_q, end_q=end_q, tokens=tokens, prefix=prefix, q_len=q_len):
+                key = k_cache[tokens].movedim(0, 1)  # [num_kv_heads, seq_len, head_dim]
+                value = v_cache[tokens].movedim(0, 1)
+                q = query[:, start_q:end_q, :].contiguous()
+                if not (q.dtype == key.dtype == value.dtype):
+                    key, value = key.to(q.dtype), value.to(q.dtype)
+                if prefix == 0 and not windowed:
+                    mask, is_causal = None, True  # exactly torch_native's call
+                else:
+                    mask = offset_causal_mask(prefix, q_len, q.device, sliding_window_size)
+                    is_causal = False
+                out = scaled_dot_product_attention(
+                    q.unsqueeze(0),
+                    key.unsqueeze(0),
+                    value.unsqueeze(0),
+                    attn_mask=mask,
+                    enable_gqa=enable_gqa,
+                    scale=scaling,
+                    is_causal=is_causal,
+                )
+                return out.squeeze(0).movedim(1, 0)  # [q_len, num_heads, head_dim]
+
             if sp is not None and sp.wants(q_len):
                 output[start_q:end_q] = sp.extend(
                     layer, i, tokens, query[:, start_q:end_q].movedim(0, 1),
-                    k_cache[tokens], v_cache[tokens], prefix, scaling, k_cache,
+                    k_cache[tokens], v_cache[tokens], prefix, scaling, k_cache, exact,
                 )
-                start_q = end_q
-                continue
-            key = k_cache[tokens].movedim(0, 1)  # [num_kv_heads, seq_len, head_dim]
-            value = v_cache[tokens].movedim(0, 1)
-            q = query[:, start_q:end_q, :].contiguous()
-            if not (q.dtype == key.dtype == value.dtype):
-                key, value = key.to(q.dtype), value.to(q.dtype)
-            if prefix == 0 and not windowed:
-                mask, is_causal = None, True  # exactly torch_native's call
             else:
-                mask = offset_causal_mask(prefix, q_len, q.device, sliding_window_size)
-                is_causal = False
-            out = scaled_dot_product_attention(
-                q.unsqueeze(0),
-                key.unsqueeze(0),
-                value.unsqueeze(0),
-                attn_mask=mask,
-                enable_gqa=enable_gqa,
-                scale=scaling,
-                is_causal=is_causal,
-            )
-            output[start_q:end_q] = out.squeeze(0).movedim(1, 0)
+                output[start_q:end_q] = exact()
             start_q = end_q
         return output
 
@@ -284,9 +287,10 @@ def create_sparse_prefill(runner: "ModelRunner", cfg) -> "SparsePrefill":
     prefill = SparsePrefill(
         select, cfg.prefill_min_tokens, runner.model_config.num_hidden_layers,
         store=LineStore() if cfg.prefill_reuse else None, metrics=metrics,
+        max_density=cfg.prefill_max_density,
     )
-    logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s",
-                select, cfg.prefill_min_tokens, cfg.prefill_reuse)
+    logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s, max density %s",
+                select, cfg.prefill_min_tokens, cfg.prefill_reuse, cfg.prefill_max_density)
     return prefill
 
 

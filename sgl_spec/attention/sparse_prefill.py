@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,6 +38,15 @@ from sgl_spec.attention.line_store import FINGERPRINT_LAYER, Fingerprint, LineSt
 from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines, vslash_attention
 
 logger = logging.getLogger(__name__)
+
+# A layer whose selected lines cover more than this share of the causal cells runs
+# the dense call instead: above it the torch line kernel plus the selection cost
+# more than SDPA on this CPU (measured per layer on a 6k-token prompt of the default
+# model: select + attend ran 0.9-2.7x dense at density 0.21-0.65, 0.3-0.8x at
+# 0.03-0.16; 0.18 minimised the total). A layer that came out too dense skips its
+# selection in the next extends and re-selects every REPROBE_EVERY-th one.
+MAX_DENSITY = 0.18
+REPROBE_EVERY = 8
 
 
 class Metrics(Protocol):
@@ -56,12 +65,13 @@ class LayerStats:
     select_s: float = 0.0
     attend_s: float = 0.0
     seeded: int = 0  # extends whose selection had seeds
+    dense: int = 0  # extends that made the dense call (too dense: selected, or skipped)
 
     def as_dict(self) -> dict:
         n = max(self.extends, 1)
         return {"extends": self.extends, "density": self.density / n,
                 "select_ms": 1e3 * self.select_s / n, "attend_ms": 1e3 * self.attend_s / n,
-                "seeded": self.seeded}
+                "seeded": self.seeded, "dense": self.dense}
 
 
 @dataclass
@@ -95,6 +105,7 @@ class SparsePrefill:
         *,
         store: LineStore | None = None,  # None: no reuse across turns
         metrics: Metrics | None = None,
+        max_density: float = MAX_DENSITY,
     ):
         if min_tokens < 1 or num_layers < 1:
             raise ValueError(
@@ -105,8 +116,13 @@ class SparsePrefill:
         self.num_layers = num_layers
         self.store = store
         self.metrics = metrics
+        if not 0 < max_density <= 1:
+            raise ValueError(f"max_density must be in (0, 1], got {max_density}")
+        self.max_density = max_density
         self.stats = PrefillStats()
         self._turns: dict[int, _Turn] = {}  # batch index -> state, this pass
+        # layer -> consecutive extends whose selection came out denser than max_density
+        self._over: dict[int, int] = {}
 
     def begin_pass(self, extend_lens: Sequence[int] | None) -> None:
         """A new forward pass; ``extend_lens`` per request (None: not an extend)."""
@@ -133,19 +149,33 @@ class SparsePrefill:
         history_len: int,  # N, cached prefix
         scale: float | None,
         key_cache: torch.Tensor,  # [pool_size, Hkv, D] this layer's key buffer
+        exact: Callable[[], torch.Tensor] | None = None,  # the row's dense call, [n, Hq, D]
     ) -> torch.Tensor:  # [n, Hq, D], q.dtype
-        """Select this layer's lines and attend them (LoopServe Alg. 2 + §5.2)."""
+        """Select this layer's lines and attend them (LoopServe Alg. 2 + §5.2), or
+        make the dense call where the lines would be too dense to pay."""
         turn = self._turns.get(index)
         if turn is None:
             turn = self._turns[index] = self._start(layer, slots, history_len, key_cache)
+        st = self.stats.layers.setdefault(layer, LayerStats())
+        over = self._over.get(layer, 0)
+        if exact is not None and over % REPROBE_EVERY:
+            # Too dense last time: skip the selection too, re-select every REPROBE_EVERY.
+            self._over[layer] = over + 1
+            st.dense += 1
+            return exact()
         seeds = turn.seeds.get(layer) if turn.seeds else None
         t0 = time.perf_counter()
         lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
         t1 = time.perf_counter()
-        out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
-        t2 = time.perf_counter()
         dens = float(density(lines, q.shape[0], history_len).mean())
-        st = self.stats.layers.setdefault(layer, LayerStats())
+        if exact is not None and dens > self.max_density:
+            self._over[layer] = over + 1
+            st.dense += 1
+            out = exact()
+        else:
+            self._over[layer] = 0
+            out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
+        t2 = time.perf_counter()
         st.extends += 1
         st.density += dens
         st.select_s += t1 - t0
@@ -169,7 +199,7 @@ class SparsePrefill:
         return _Turn(seeds, fingerprint(slots, slots.numel(), key_cache))
 
     def _finish(self, turn: _Turn) -> None:
-        if turn.key is not None and len(turn.lines) == self.num_layers:
+        if turn.key is not None and turn.lines:  # layers that skipped selection: no seeds
             self.store.put(turn.key, turn.lines)
         if self.metrics is not None:
             self.metrics.observe_extend(turn.density / self.num_layers, turn.select_s,
