@@ -118,7 +118,8 @@ class SparseDecoder:
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
         # impl "torch-cached": rid -> layer -> (the selection it was gathered for, K/V)
         self._fixed: dict[str, dict[int, tuple[torch.Tensor, FixedKV]]] = {}
-        self._recent: tuple[tuple, RecentIndex] | None = None  # (pass key, index)
+        # (pass key, (sparse rows, their recent windows))
+        self._recent: tuple[tuple, tuple[torch.Tensor, RecentIndex]] | None = None
         self._rows: list[_Row] = []
         self._attending = 0  # rows of _rows with a policy state that attends layers
         self._prefill: list[_PrefillRow] = []
@@ -237,15 +238,15 @@ class SparseDecoder:
                 sparse.append(b)
                 subsets.append(sub)
         if sparse:
-            idx = torch.tensor(sparse, device=q.device)
             if self.impl == CACHED:
                 fixed = [self._fixed_kv(layer, b, sub, k_buf, v_buf, req_to_token)
                          for b, sub in zip(sparse, subsets)]
-                recent = self._recent_index(sparse, subsets, fixed, req_to_token,
-                                            req_pool_indices, seq_lens, k_buf.shape[1])
+                idx, recent = self._recent_index(sparse, subsets, fixed, req_to_token,
+                                                 req_pool_indices, seq_lens, k_buf.shape[1])
                 out[idx] = sparse_decode_cached(q[idx], fixed, k_buf, v_buf, recent,
                                                 scale=scale)
             else:
+                idx = torch.tensor(sparse, device=q.device)
                 packed = pack_subsets(subsets, k_buf.shape[1], q.device)
                 out[idx] = sparse_decode(
                     q[idx], k_buf, v_buf, req_to_token, req_pool_indices[idx], seq_lens[idx],
@@ -270,9 +271,10 @@ class SparseDecoder:
         return hit[1]
 
     def _recent_index(self, sparse, subsets, fixed, req_to_token, req_pool_indices, seq_lens,
-                      num_kv_heads) -> RecentIndex:
-        """The pass's recent windows, built at its first sparse layer and reused by the
-        others (the same rows with the same windows, which is the rule)."""
+                      num_kv_heads) -> tuple[torch.Tensor, RecentIndex]:
+        """The sparse rows' index and their recent windows, built at the pass's first
+        sparse layer and reused by the others (the same rows with the same windows,
+        which is the rule)."""
         key = (self._forward, tuple(sparse), tuple(s.recent_start for s in subsets),
                tuple(f.sink_end for f in fixed))
         if self._recent is None or self._recent[0] != key:
@@ -283,7 +285,7 @@ class SparseDecoder:
                 torch.tensor(key[2], device=dev), torch.tensor(key[3], device=dev),
                 num_kv_heads,
             )
-            self._recent = (key, index)
+            self._recent = (key, (idx, index))
         return self._recent[1]
 
     def _count(self, exact: list[int], sparse: list[int], subsets: list[Subset]) -> None:

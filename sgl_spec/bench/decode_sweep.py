@@ -273,25 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                                             for k, v in over.items()})
     except ValueError as exc:
         ap.error(str(exc))
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from sgl_spec.prepare_model import prepare
-
-    model = args.model_path or prepare()
-    if not os.path.isdir(model):
-        ap.error(f"--model-path {model!r} is not a directory")
-    window = AutoConfig.from_pretrained(model).max_position_embeddings
-    if max(plan.histories) + plan.new_tokens > window:
-        ap.error(f"history {max(plan.histories)} + {plan.new_tokens} new tokens exceed "
-                 f"the model's {window}-token window")
+    model = provenance.sweep_model(ap, args.model_path, max(plan.histories) + plan.new_tokens)
     os.makedirs(args.out, exist_ok=True)
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
-            "quick": args.quick, "sweep_flags": list(SWEEP_FLAGS),
-            "load_average_before": provenance.load_average(),
-            "machine": provenance.machine(), "git": provenance.git()}
+    meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
     configs = []
     with tqdm(total=len(CONFIGS) * len(plan.histories) * len(plan.batches), unit="point",

@@ -22,14 +22,13 @@ import argparse
 import json
 import logging
 import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import requests
 
-from sgl_spec.bench import provenance
+from sgl_spec.bench import provenance, sparse_counters
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
@@ -45,8 +44,6 @@ CONFIGS: tuple[ServerConfig, ...] = (
 )
 SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)  # after configset.COMMON_FLAGS
 PNG = "prefill_ttft.png"
-_EXTENDS = re.compile(
-    r'^sgl_spec:sparse_prefill_extends_total\{[^}]*path="(\w+)"[^}]*\}\s+(\S+)', re.M)
 
 
 @dataclass(frozen=True)
@@ -95,10 +92,7 @@ def first_token(url: str, ids: list[int]) -> dict:
 
 def parse_extends(text: str) -> dict[str, float]:
     """``sgl_spec:sparse_prefill_extends_total`` by path from /metrics text."""
-    out: dict[str, float] = {}
-    for path, value in _EXTENDS.findall(text):
-        out[path] = out.get(path, 0.0) + float(value)
-    return out
+    return sparse_counters.by_path(text, "sgl_spec:sparse_prefill_extends_total")
 
 
 def _extends(url: str) -> dict[str, float]:
@@ -199,24 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         plan = SweepPlan.preset(args.quick, args.repeats)
     except ValueError as exc:
         ap.error(str(exc))
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from sgl_spec.prepare_model import prepare
-
-    model = args.model_path or prepare()
-    if not os.path.isdir(model):
-        ap.error(f"--model-path {model!r} is not a directory")
-    window = AutoConfig.from_pretrained(model).max_position_embeddings
-    if max(plan.lengths) + 1 > window:
-        ap.error(f"length {max(plan.lengths)} exceeds the model's {window}-token window")
+    model = provenance.sweep_model(ap, args.model_path, max(plan.lengths) + 1)
     os.makedirs(args.out, exist_ok=True)
     from tqdm import tqdm
 
     t0 = time.perf_counter()
-    meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
-            "quick": args.quick, "sweep_flags": list(SWEEP_FLAGS),
-            "load_average_before": provenance.load_average(),
-            "machine": provenance.machine(), "git": provenance.git()}
+    meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
     configs = []
     with tqdm(total=len(CONFIGS) * len(plan.lengths), unit="point", dynamic_ncols=True) as bar:

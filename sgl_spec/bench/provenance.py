@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from importlib import metadata
 
 
@@ -63,3 +64,25 @@ def git() -> dict:
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
     }
+
+
+def sweep_model(ap, model_path: str | None, tokens: int) -> str:
+    """The model dir of a server sweep (``--model-path`` or the prepared default); an
+    argparse error (exit 2) when it is not a directory or ``tokens`` exceed its window."""
+    from transformers import AutoConfig
+
+    from sgl_spec.prepare_model import prepare
+
+    model = model_path or prepare()
+    if not os.path.isdir(model):
+        ap.error(f"--model-path {model!r} is not a directory")
+    window = AutoConfig.from_pretrained(model).max_position_embeddings
+    if tokens > window:
+        ap.error(f"{tokens} tokens (prompt + new) exceed the model's {window}-token window")
+    return model
+
+
+def run_meta(model: str, **extra) -> dict:
+    """What every benchmark run records first: start time, model, load, machine, git."""
+    return {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, **extra,
+            "load_average_before": load_average(), "machine": machine(), "git": git()}

@@ -18,9 +18,18 @@ import requests
 
 logger = logging.getLogger(__name__)
 
-# Labels other than path (a multiprocess collector may add some) are summed over.
-_STEPS = re.compile(r'^sgl_spec:decode_steps_total\{[^}]*path="(\w+)"[^}]*\}\s+(\S+)', re.M)
-_RESELECT = re.compile(r"^sgl_spec:sparse_reselections_total(?:\{[^}]*\})?\s+(\S+)", re.M)
+_RESELECT_NAME = "sgl_spec:sparse_reselections_total"
+_RESELECT = re.compile(rf"^{_RESELECT_NAME}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
+
+
+def by_path(text: str, counter: str) -> dict[str, float]:
+    """``counter{path=...}`` of a Prometheus text exposition, summed per path over any
+    other labels (a multiprocess collector may add some); empty when absent."""
+    pattern = re.compile(rf'^{re.escape(counter)}\{{[^}}]*path="(\w+)"[^}}]*\}}\s+(\S+)', re.M)
+    out: dict[str, float] = {}
+    for path, value in pattern.findall(text):
+        out[path] = out.get(path, 0.0) + float(value)
+    return out
 
 
 class SparseCounters(NamedTuple):
@@ -41,14 +50,11 @@ class SparseCounters(NamedTuple):
 
 def parse(text: str) -> SparseCounters | None:
     """The counters of a Prometheus text exposition; None when it has no decode steps."""
-    found = _STEPS.findall(text)
-    if not found:
+    steps = by_path(text, "sgl_spec:decode_steps_total")
+    if not steps:
         return None
-    by_path = {"sparse": 0.0, "exact": 0.0}
-    for path, value in found:
-        by_path[path] = by_path.get(path, 0.0) + float(value)
     reselections = sum(float(v) for v in _RESELECT.findall(text))
-    return SparseCounters(by_path["sparse"], by_path["exact"], reselections)
+    return SparseCounters(steps.get("sparse", 0.0), steps.get("exact", 0.0), reselections)
 
 
 def read(url: str) -> SparseCounters | None:
