@@ -45,7 +45,7 @@ class SpecConfig:
     # (0.8-0.99x) for 2k-token turns over a cached history; shorter extends stay exact.
     prefill_min_tokens: int = 2048
     prefill_reuse: bool = True
-    prefill_max_density: float = 0.18  # sgl_spec.attention.sparse_prefill.MAX_DENSITY
+    prefill_max_density: float = 0.3  # sgl_spec.attention.sparse_prefill.MAX_DENSITY
 
     def __post_init__(self):
         if self.mode not in MODES:

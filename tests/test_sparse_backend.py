@@ -67,6 +67,14 @@ def run_decode(dec, pool, rows, q, layer):
     return out, exact
 
 
+def full_attention(pool, layer, row, q):  # [Hq, D]: softmax over the whole history
+    k = pool.history(layer, row).repeat_interleave(SHAPE.num_q_heads // SHAPE.num_kv_heads, 1)
+    v = pool.v[layer][pool.req_to_token[row, : pool.lens[row]].long()]
+    v = v.repeat_interleave(SHAPE.num_q_heads // SHAPE.num_kv_heads, 1)
+    p = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k.double()) * SCALE, -1)
+    return torch.einsum("hl,lhd->hd", p, v.double()).to(q.dtype)
+
+
 def plan(dec, pool, rids, rows):
     dec.plan_decode(rids, [pool.lens[r] for r in rows], rows)
 
@@ -87,7 +95,7 @@ def test_decoder_matches_policy_and_reference_kernel(impl):
     for rid, row, n in zip(rids, rows, prompts):
         pool.append(row, n)
         twin.start(rid, n)
-    seen_sparse = set()
+    seen_sparse, seen_full = set(), set()
     for step in range(10):
         for row in rows:
             pool.append(row)  # the current token's K/V, written before attention
@@ -98,9 +106,17 @@ def test_decoder_matches_policy_and_reference_kernel(impl):
             out, exact = run_decode(dec, pool, rows, q, layer)
             subs = [twin.decode_layer(rid, layer, q[b], pool.history(layer, row) if reselect[b]
                                       else None) for b, (rid, row) in enumerate(zip(rids, rows))]
-            assert exact == [b for b, s in enumerate(subs) if s.dense]
+            dense = [b for b, s in enumerate(subs) if s.dense]
+            # Dense rows at a history >= min_context (LoopServe before its first
+            # selection) are attended in full by the decoder; the others are left.
+            here = [b for b in dense if pool.lens[rows[b]] >= PARAMS.min_context]
+            assert exact == [b for b in dense if b not in here]
             for b in exact:
                 assert torch.isnan(out[b]).all()  # left to the dense path
+            for b in here:
+                torch.testing.assert_close(out[b], full_attention(pool, layer, rows[b], q[b]),
+                                           rtol=1e-4, atol=1e-5)
+            seen_full.update(rids[b] for b in here)
             sparse = [b for b in range(len(rows)) if b not in exact]
             seen_sparse.update(rids[b] for b in sparse)
             if not sparse:
@@ -115,6 +131,7 @@ def test_decoder_matches_policy_and_reference_kernel(impl):
             torch.testing.assert_close(out[idx], want, rtol=1e-4, atol=1e-5)
     # Selections at steps 4 and 8; "short" (21..30 positions) stays under min_context.
     assert seen_sparse == {"long", "mid"}
+    assert seen_full == {"long", "mid"}  # their steps before the first selection
     assert dec.stats.reselections == 4
     assert dec.stats.sparse_steps == 2 * 6 and dec.stats.exact_steps == 3 * 10 - 12
     if impl == "torch-cached":
@@ -166,7 +183,9 @@ def test_decoder_approximates_dense_attention_when_mass_is_selectable():
             ).transpose(0, 1)  # [1, Hq, D]
             torch.testing.assert_close(out, dense, rtol=0, atol=5e-3)
             checked += 1
-    assert checked == 2 * 4  # steps 4..7, both layers
+    # Steps 0..3 attend in full in the decoder (before the first selection, at a
+    # history >= min_context), steps 4..7 sparsely: all 8 steps, both layers.
+    assert checked == 2 * 8
 
 
 # ------------------------------------------------------------------ exact fallback, lifetime

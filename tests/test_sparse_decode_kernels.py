@@ -390,3 +390,20 @@ def test_flashinfer_plan_once_run_per_layer():
         out = torch.empty_like(gpu.q)
         runner.run(gpu.q, gpu.k_buf, gpu.v_buf, gpu.sel_idx, out=out)
         assert rel_err(out, reference(lb)) <= 2e-2
+
+
+# ---------------------------------------------------------------- dense (pre-selection rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES[:5], ids=str)
+def test_dense_decode_is_dense_attention(case, dtype):
+    from sgl_spec.kernels.sparse_decode.dense import dense_decode
+
+    batch = make_batch(case, dtype, select_all=True)
+    ref = dense_attention(batch)
+    for b in range(batch.q.shape[0]):
+        row = batch.req_to_token[int(batch.req_pool_indices[b]), : int(batch.seq_lens[b])]
+        out = dense_decode(batch.q[b], batch.k_buf, batch.v_buf, row, scale=batch.scale)
+        assert out.dtype == dtype and out.shape == batch.q[b].shape
+        assert rel_err(out, ref[b]) <= TOL[dtype]

@@ -375,3 +375,19 @@ def test_recovered_mass(planted):
 def test_select_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SelectConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv"])
+def test_dense_attention_torch_is_causal_attention(shape, dtype):
+    """The fused history + causal split that too-dense layers run equals the dense lines."""
+    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+
+    n, hist, hq, hkv, d = SHAPES[shape]
+    dt = DTYPES[dtype]
+    q, k, v = make_qkv(n, hist, hq, hkv, d, dt)
+    out = dense_attention_torch(q, k, v, hist)
+    ref = vslash_attention_ref(q.double(), k.double(), v.double(),
+                               make_lines_kind("dense", hkv, n, hist), hist)
+    assert out.dtype == dt and out.shape == q.shape
+    assert rel_err(out, ref) <= TOL[dt]

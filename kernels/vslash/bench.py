@@ -96,26 +96,46 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
-              repeats: int) -> list[dict]:
-    """Dense vs select + sparse per extend size, summed over the given layers."""
+              repeats: int, max_density: float = 0.3) -> list[dict]:
+    """Dense vs select + sparse per extend size, summed over the given layers.
+
+    ``serving_s`` applies the sparse prefill's rule on a first extend: every layer
+    selects; a layer denser than ``max_density`` then runs the dense path (exact
+    mode's call on a fresh prompt, ``dense_attention_torch`` over a prefix) instead
+    of the line kernel. ``per_layer`` keeps each layer's figures.
+    """
     from . import vslash_attention
+    from .torch_impl import dense_attention_torch
 
     cfg = SelectConfig(alpha=alpha)
     rows = []
     for n in ns:
-        dense = select = sparse = dens = 0.0
+        dense = select = sparse = serving = dens = 0.0
+        per_layer = []
         for lay in layers:
             q = lay["q"][history : history + n]
             k, v = lay["k"][: history + n], lay["v"][: history + n]
-            dense += _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
-            select += _median_s(lambda: select_lines(q, k, history, cfg), repeats)
+            d_s = _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
+            s_s = _median_s(lambda: select_lines(q, k, history, cfg), repeats)
             lines = select_lines(q, k, history, cfg)
-            sparse += _median_s(
+            a_s = _median_s(
                 lambda: vslash_attention(q, k, v, lines, history, impl="torch"), repeats)
-            dens += float(density(lines, n, history).mean()) / len(layers)
+            dl = float(density(lines, n, history).mean())
+            if dl <= max_density:
+                srv = s_s + a_s
+            elif history:
+                srv = s_s + _median_s(lambda: dense_attention_torch(q, k, v, history), repeats)
+            else:
+                srv = s_s + d_s
+            dense, select, sparse, serving = dense + d_s, select + s_s, sparse + a_s, serving + srv
+            dens += dl / len(layers)
+            per_layer.append({"layer": lay.get("layer"), "density": dl, "dense_s": d_s,
+                              "select_s": s_s, "vslash_s": a_s, "serving_s": srv})
         rows.append({"n": n, "history": history, "alpha": alpha, "layers": len(layers),
                      "dense_s": dense, "select_s": select, "vslash_s": sparse,
-                     "speedup": dense / (select + sparse), "density": dens})
+                     "speedup": dense / (select + sparse), "density": dens,
+                     "max_density": max_density, "serving_s": serving,
+                     "serving_ratio": serving / dense, "per_layer": per_layer})
     return rows
 
 
@@ -146,14 +166,23 @@ def main_qk(args) -> None:
     picked = args.layers or list(range(len(data["layers"])))
     layers = [data["layers"][i] for i in picked]
     if args.crossover:
-        rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats)
+        for i, lay in zip(picked, layers):
+            lay.setdefault("layer", i)
+        rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats,
+                         args.max_density)
         print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
               f"{torch.get_num_threads()} threads, median of {args.repeats}")
         print(f"{'n':>6} {'dense s':>8} {'select s':>9} {'vslash s':>9} {'speedup':>8} "
-              f"{'density':>8}")
+              f"{'density':>8} {'serving/dense':>14}")
         for r in rows:
             print(f"{r['n']:6d} {r['dense_s']:8.3f} {r['select_s']:9.3f} {r['vslash_s']:9.3f} "
-                  f"{r['speedup']:7.2f}x {r['density']:8.3f}")
+                  f"{r['speedup']:7.2f}x {r['density']:8.3f} {r['serving_ratio']:13.2f}x")
+            if args.per_layer:
+                for p in r["per_layer"]:
+                    print(f"    layer {p['layer']:>2} density {p['density']:.2f} dense "
+                          f"{p['dense_s']:.3f} select {p['select_s']:.3f} vslash "
+                          f"{p['vslash_s']:.3f} (select+vslash)/dense "
+                          f"{(p['select_s'] + p['vslash_s']) / p['dense_s']:.2f}")
     else:
         rows = reuse(layers, data["turn_boundary"], args.alpha, args.repeats)
         print(f"reuse: layers {picked}, turn 2 = {rows[0]['n']} tokens over "
@@ -187,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", action="store_true", help="with --qk: seeded vs fresh turn 2")
     ap.add_argument("--layers", type=int, nargs="+", help="with --qk: layer ids (default all)")
     ap.add_argument("--alpha", type=float, default=0.955, help="with --qk: selection alpha")
+    ap.add_argument("--max-density", type=float, default=0.3,
+                    help="with --crossover: the serving rule's --spec-prefill-max-density")
+    ap.add_argument("--per-layer", action="store_true", help="with --crossover: each layer")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

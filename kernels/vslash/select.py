@@ -108,10 +108,11 @@ def sampled_attention(
     noncausal = torch.arange(dims.num_keys, device=q.device)[None, :] > pos[:, None]
     out = []
     for kvh in range(dims.num_kv_heads):  # one KV head at a time bounds the memory
-        qs = q[rows.to(q.device), kvh * g : (kvh + 1) * g].float()  # [S, g, D]
-        kh = k[:, kvh].float()  # [K, D]
-        scores = torch.einsum("sgd,kd->gsk", qs, kh) * scale  # [g, S, K]
-        p = torch.softmax(scores.masked_fill(noncausal, float("-inf")), dim=-1)
+        qs = q[rows.to(q.device), kvh * g : (kvh + 1) * g].float() * scale  # [S, g, D]
+        kh = k[:, kvh].float().contiguous()  # [K, D]
+        # One GEMM against K^T as a view (no permuted copy of the [g, S, K] scores).
+        scores = torch.matmul(qs.transpose(0, 1), kh.t())  # [g, S, K]
+        p = torch.softmax(scores.masked_fill_(noncausal, float("-inf")), dim=-1)
         if per_kv_head:
             out.append(p.mean(0, keepdim=True))
         else:

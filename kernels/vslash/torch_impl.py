@@ -1,25 +1,37 @@
 """Vertical/slash prefill attention in torch ops: the fast CPU path.
 
-Scores are computed only on the selected lines, never as a dense ``[n, N+n]``
-matrix masked afterwards. Per line head and chunk of ``R`` query rows the selected
-cells split into two disjoint parts, each computed the cheapest way on a CPU:
+Work is block-granular and skips unselected cells, never a dense ``[n, N+n]``
+matrix masked afterwards. Per line head and block of ``R`` query rows
+(positions ``p0..p1``) the selected cells split into three disjoint parts, each
+computed the cheapest way on a CPU:
 
-* verticals: the chunk's queries against the gathered vertical columns (those at or
-  before the chunk's last query), one matmul ``[R, D] x [D, n_v]`` per chunk, a
-  causal mask only on the columns past the chunk's first query;
-* slashes: row ``p`` needs keys ``p - d`` for every selected offset ``d``, a
-  different key per row and line, so no key is shared inside a block. A gathered
-  ``[R, n_s, D]`` copy of K and V is memory-bound (measured ~7x slower); instead
-  ``torch.sparse.sampled_addmm`` (SDDMM) computes exactly the ``R * n_s`` dot
-  products from a fixed-width CSR pattern, and ``embedding_bag`` with
-  ``per_sample_weights`` sums the probability-weighted value rows without
-  materialising them. Cells that lie on a selected vertical are masked here (the
-  first part owns them), so each selected cell is counted once.
+* **far verticals**: the selected columns left of ``p0 - W + 1`` are causal and
+  selected for every row of the block: one unmasked fused attention call over the
+  gathered columns, no cell wasted;
+* **near part**: per sub-block of ``r`` rows (``r = SUB_ROWS``), the rectangle of
+  keys ``[p0' - W + 1, p1']`` (``r + W - 1`` columns) holds every cell of the
+  slashes with offset ``d < W`` (the local band and the slashes next to it) and of
+  the verticals in that range; the block's remaining verticals left of the
+  rectangle are gathered in front of it. A 0/-inf mask keeps exactly the selected
+  cells, and the sub-blocks run as the batch of one fused call;
+* **far slashes** (``d >= W``): row ``p`` needs key ``p - d``, a different key per
+  row and line, so no key is shared inside a block. ``torch.sparse.sampled_addmm``
+  (SDDMM) computes exactly the ``R * n_far`` dot products from a fixed-width CSR
+  pattern, and ``embedding_bag`` with ``per_sample_weights`` sums the
+  probability-weighted value rows without materialising them. Cells on a selected
+  vertical belong to the other parts and are masked here.
 
-The two parts share one row max and one denominator (a two-block softmax), so each
-row is normalised over exactly its selected cells; the result equals the masked
-reference up to rounding. Rows with no selected cell output zeros.
-Cost per row: ``n_v + n_s`` scores instead of ``N + n``.
+The fused calls are ``_scaled_dot_product_flash_attention_for_cpu`` on the CPU
+(SDPA's flash kernel: dense-SDPA speed per computed cell, and it returns the row
+log-sum-exp), an fp32 masked softmax in torch ops elsewhere. The parts are merged
+by their log-sum-exps, so each row is normalised over exactly its selected cells:
+the result equals the masked reference up to rounding. Rows with no selected cell
+output zeros.
+
+``W`` is chosen per line head from the selected offsets by a cost model: a
+rectangle column costs one cell per row, a far slash ``FAR_CELL_COST`` cells (the
+SDDMM path's cost per cell relative to the fused kernel's, measured on this CPU),
+so ``W`` grows while the slashes it absorbs are dense enough to pay for it.
 """
 
 from __future__ import annotations
@@ -31,10 +43,15 @@ from torch.nn.functional import embedding_bag
 
 from .lines import LineSet, check_inputs, line_bitmaps
 
+FAR_CELL_COST = 4.0  # SDDMM far-slash cell / fused rectangle cell, measured on CPU
+WIDTHS = (64, 128, 256, 512, 1024)  # rectangle widths W tried (plus the local run)
+SUB_ROWS = 64  # rows per near-part rectangle (r + W - 1 columns: r=64 measured best)
+NEG_INF = float("-inf")
+
 
 def _sddmm(
     q_rows: torch.Tensor,  # [lg, R, D] fp32
-    k_t: torch.Tensor,  # [D, K] fp32 contiguous
+    k_t: torch.Tensor,  # [D, K] fp32, the transpose of a contiguous [K, D]
     idx: torch.Tensor,  # [R, m] int64 key per (row, slash)
 ) -> torch.Tensor:  # [lg, R, m] fp32: q_rows[h, r] . k[idx[r, j]]
     lg, r, _ = q_rows.shape
@@ -56,6 +73,139 @@ def _sddmm(
     return s
 
 
+def near_width(slash: torch.Tensor, num_keys: int, sub_rows: int = SUB_ROWS) -> int:
+    """Rectangle width ``W``: slashes ``d < W`` go to the fused near part.
+
+    Minimises ``(sub_rows + W) + FAR_CELL_COST * #{d >= W}`` (cells per row) over
+    the local run (the contiguous offsets from 0) and ``WIDTHS``; in ``[1, num_keys]``.
+    """
+    run = 0
+    if slash.numel() and int(slash[0]) == 0:
+        run = int((slash == torch.arange(slash.numel())).long().cumprod(0).sum())
+    best_w, best_cost = 1, float("inf")
+    for w in sorted({max(run, 1), *WIDTHS}):
+        w = min(w, num_keys)
+        far = slash.numel() - int(torch.searchsorted(slash, w))
+        cost = sub_rows + w + FAR_CELL_COST * far
+        if cost < best_cost:
+            best_w, best_cost = w, cost
+    return best_w
+
+
+def fused_attention(
+    q: torch.Tensor,  # [B, lg, r, D]
+    k: torch.Tensor,  # [B, C, D] one KV head, shared by the lg query heads
+    v: torch.Tensor,  # [B, C, D]
+    mask: torch.Tensor | None,  # [B, r, C] additive 0/-inf, or None (every cell)
+    scale: float,
+    is_causal: bool = False,  # row i sees columns <= i (r == C, no mask)
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, lg, r, D], lse [B, lg, r] fp32
+    """Attention of each batch item over its columns, and its row log-sum-exp.
+
+    A row whose cells are all masked has an undefined lse: callers mask it.
+    """
+    b, lg = q.shape[:2]
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        kk = k[:, None].expand(b, lg, -1, -1)
+        vv = v[:, None].expand(b, lg, -1, -1)
+        m = None if mask is None else mask.to(q.dtype)[:, None]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kk, vv, is_causal=is_causal, attn_mask=m, scale=scale
+        )
+        return out, lse.float()
+    s = torch.einsum("bhrd,bcd->bhrc", q.float(), k.float()) * scale
+    if is_causal:
+        r, c = s.shape[-2:]
+        s = s.masked_fill(torch.ones(r, c, dtype=torch.bool, device=s.device).triu(1), NEG_INF)
+    if mask is not None:
+        s = s + mask.float()[:, None]
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    return torch.einsum("bhrc,bcd->bhrd", p, v.float()), lse
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine partial softmax attentions ``(out [lg,R,D], lse [lg,R])``; empty rows -> 0."""
+    lse = parts[0][1]
+    for _, l in parts[1:]:
+        lse = torch.logaddexp(lse, l)
+    empty = torch.isinf(lse)
+    lse_safe = lse.masked_fill(empty, 0.0)
+    res = None
+    for o, l in parts:
+        term = o.float() * torch.exp(l - lse_safe)[..., None]
+        res = term if res is None else res.add_(term)
+    return res.masked_fill_(empty[..., None], 0.0)
+
+
+def _windows(x: torch.Tensor, first: int, count: int, step: int, width: int) -> torch.Tensor:
+    """``count`` overlapping row windows of ``x`` [L, D] (contiguous), no copy.
+
+    Window ``j`` is rows ``first + j*step .. + width - 1``; ``x`` must hold them.
+    """
+    d = x.shape[1]
+    return x.as_strided((count, width, d), (step * d, d, 1), x.storage_offset() + first * d)
+
+
+def _near_part(qb, k_pad, v_pad, lead, is_v, near_s, w, p0, sub, num_keys, scale):
+    """Per sub-block of ``sub`` rows: its rectangle ``[p0' - w + 1, p0' + sub - 1]``.
+
+    ``k_pad``/``v_pad``: the KV head's keys with ``lead = w - 1`` zero rows in front
+    and ``sub`` behind, so every rectangle is a strided window (no gather).
+    """
+    lg, rows, d = qb.shape
+    dev = qb.device
+    nb = -(-rows // sub)
+    qs = torch.nn.functional.pad(qb, (0, 0, 0, nb * sub - rows))
+    qs = qs.view(lg, nb, sub, d).transpose(0, 1)  # [nb, lg, sub, D]
+    width = sub + w - 1
+    sub_p0 = p0 + torch.arange(nb, device=dev) * sub  # [nb]
+    cols = sub_p0[:, None] - w + 1 + torch.arange(width, device=dev)  # [nb, C]
+    off = torch.arange(sub, device=dev)[:, None] + w - 1 - torch.arange(width, device=dev)
+    inside = (cols >= 0) & (cols < num_keys)  # [nb, C]
+    on_v = is_v[cols.clamp(0, num_keys - 1)] & inside  # [nb, C]
+    on_s = (off >= 0) & near_s[off.clamp(0, num_keys - 1)]  # [sub, C], same every block
+    keep = (on_s[None] & inside[:, None, :]) | ((off >= 0)[None] & on_v[:, None, :])
+    mask = torch.zeros(keep.shape, dtype=qb.dtype, device=dev).masked_fill_(~keep, NEG_INF)
+    start = p0 - w + 1 + lead  # the first window's first row in k_pad
+    ks = _windows(k_pad, start, nb, sub, width)
+    vs = _windows(v_pad, start, nb, sub, width)
+    o, lse = fused_attention(qs, ks, vs, mask, scale)  # [nb, lg, sub, *]
+    if not bool(near_s[0]):  # no diagonal: a row may have no cell here
+        lse = lse.masked_fill(~keep.any(-1)[:, None, :], NEG_INF)
+    o = o.transpose(0, 1).reshape(lg, nb * sub, d)[:, :rows]
+    return o, lse.transpose(0, 1).reshape(lg, nb * sub)[:, :rows]
+
+
+def _far_verticals(qb, kh, vh, vert, vert_host, w, p0, sub, scale):
+    """Verticals left of each row's rectangle (all causal): one call for the block.
+
+    Sub-block ``j`` sees the verticals before its rectangle start; later columns
+    are masked for the earlier sub-blocks (only verticals inside the block's span).
+    """
+    lg, rows, _ = qb.shape
+    dev = qb.device
+    nb = -(-rows // sub)
+    rect_start = p0 - w + 1 + torch.arange(nb) * sub  # [nb] CPU
+    counts = torch.searchsorted(vert_host, rect_start)  # [nb] verticals per sub-block
+    nv = int(counts[-1])
+    if nv == 0:
+        return None
+    keys = vert[:nv]
+    mask = None
+    if int(counts[0]) < nv:  # a tail some sub-blocks must not see
+        row_count = counts.to(dev).repeat_interleave(sub)[:rows]  # [R]
+        hide = torch.arange(nv, device=dev)[None, :] >= row_count[:, None]
+        mask = torch.zeros(hide.shape, dtype=qb.dtype, device=dev).masked_fill_(hide, NEG_INF)
+        mask = mask[None]
+    o, lse = fused_attention(qb[None], kh[keys][None], vh[keys][None], mask, scale)
+    o, lse = o[0], lse[0]
+    if int(counts[0]) == 0:  # sub-blocks before the first vertical have no cell here
+        empty = (counts == 0).to(dev).repeat_interleave(sub)[:rows]
+        lse = lse.masked_fill(empty[None], NEG_INF)
+    return o, lse
+
+
 def vslash_attention_torch(
     q: torch.Tensor,  # [n, Hq, D]
     k: torch.Tensor,  # [N+n, Hkv, D]
@@ -64,82 +214,104 @@ def vslash_attention_torch(
     history_len: int,
     scale: float | None = None,  # default 1/sqrt(D)
     *,
-    chunk: int = 1024,  # query rows per step, at most
-    max_chunk_cells: int = 1 << 22,  # rows * lines per step, at most (memory bound)
+    chunk: int = 512,  # query rows per block, at most
+    sub_rows: int = SUB_ROWS,  # rows per near-part rectangle
+    max_chunk_cells: int = 1 << 22,  # rows * far slashes per block, at most (memory)
     out: torch.Tensor | None = None,  # [n, Hq, D], q.dtype, written if given
 ) -> torch.Tensor:  # [n, Hq, D], q.dtype
-    """Softmax attention over exactly the selected cells; fp32 math on q's device."""
+    """Softmax attention over exactly the selected cells, on q's device."""
     dims = check_inputs(q, k, v, lines, history_len)
-    if chunk < 1 or max_chunk_cells < 1:
-        raise ValueError(f"chunk ({chunk}) and max_chunk_cells ({max_chunk_cells}) must be >= 1")
+    if min(chunk, sub_rows, max_chunk_cells) < 1:
+        raise ValueError(
+            f"chunk ({chunk}), sub_rows ({sub_rows}) and max_chunk_cells "
+            f"({max_chunk_cells}) must be >= 1"
+        )
     scale = dims.head_dim**-0.5 if scale is None else scale
-    n, lg, dev = dims.n, dims.line_group, q.device
+    n, lg, dev, num_keys = dims.n, dims.line_group, q.device, dims.num_keys
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)}")
-    is_v_all, _ = line_bitmaps(lines, dims.num_keys, dev)  # [H_l, K]
-    neg_inf = float("-inf")
+    is_v_all, is_s_all = line_bitmaps(lines, num_keys, dev)  # [H_l, K]
     for lh in range(lines.num_heads):
         heads = slice(lh * lg, (lh + 1) * lg)  # this line head's query heads
         kvh = lh * lg // dims.group
-        kh = k[:, kvh].float().contiguous()  # [K, D]
-        vh = v[:, kvh].float().contiguous()  # [K, D]
-        k_t = kh.t().contiguous()  # [D, K]
-        is_v = is_v_all[lh]  # [K]
-        vert_host = lines.vertical[lh]  # [n_v] CPU: chunk bounds without device syncs
+        kh, vh = k[:, kvh], v[:, kvh]  # [K, D]
+        is_v = is_v_all[lh]
+        vert_host, sl_host = lines.vertical[lh], lines.slash[lh]  # CPU: bounds, no syncs
         vert = vert_host.to(dev)
-        sl_host = lines.slash[lh]  # [n_s] CPU
-        sl = sl_host.to(dev)
-        k_vert, v_vert = kh[vert], vh[vert]  # [n_v, D]
-        rows = max(1, min(chunk, max_chunk_cells // max(1, vert.numel() + sl.numel())))
+        w = near_width(sl_host, num_keys, sub_rows)
+        near_s = is_s_all[lh].clone()
+        near_s[w:] = False  # offsets the rectangles own
+        far_host = sl_host[int(torch.searchsorted(sl_host, w)):]
+        far = far_host.to(dev)
+        vf = k_t = None
+        if far.numel():  # fp32 copies for the SDDMM part only
+            vf = vh.float().contiguous()
+            k_t = kh.float().contiguous().t()  # sampled_addmm's layout: no copy per call
+        lead = w - 1
+        k_pad = torch.nn.functional.pad(kh, (0, 0, lead, sub_rows))  # rectangles' source
+        v_pad = torch.nn.functional.pad(vh, (0, 0, lead, sub_rows))
+        rows = max(1, min(chunk, max_chunk_cells // max(1, far.numel())))
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             p0, p1 = history_len + r0, history_len + r1 - 1  # first / last query position
-            pos = torch.arange(p0, p1 + 1, device=dev)  # [R]
-            qc = q[r0:r1, heads].float() * scale  # [R, lg, D]
-            row_max = torch.full((lg, r1 - r0), neg_inf, device=dev)  # [lg, R]
+            qb = q[r0:r1, heads].transpose(0, 1)  # [lg, R, D]
+            parts = [_near_part(qb, k_pad, v_pad, lead, is_v, near_s, w, p0, sub_rows,
+                                num_keys, scale)]
+            part_v = _far_verticals(qb, kh, vh, vert, vert_host, w, p0, sub_rows, scale)
+            if part_v is not None:
+                parts.append(part_v)
 
-            # Verticals at or before the last query; only those past p0 need a mask.
-            nv = int(torch.searchsorted(vert_host, p1, right=True))
-            nv_safe = int(torch.searchsorted(vert_host, p0, right=True))
-            s_v = None
-            if nv:
-                s_v = torch.einsum("rhd,cd->hrc", qc, k_vert[:nv])  # [lg, R, nv]
-                if nv > nv_safe:
-                    tail = vert[nv_safe:nv][None, :] > pos[:, None]  # [R, nv - nv_safe]
-                    s_v[..., nv_safe:].masked_fill_(tail, neg_inf)
-                row_max = torch.maximum(row_max, s_v.amax(-1))
-
-            # Slashes: key p - d per row, SDDMM on a fixed-width CSR pattern.
-            s_s = idx = None
-            ns = int(torch.searchsorted(sl_host, p1, right=True))  # offsets d <= p1 reach
+            ns = int(torch.searchsorted(far_host, p1, right=True))  # offsets d <= p1 reach
             if ns:
-                idx = pos[:, None] - sl[None, :ns]  # [R, ns]
+                pos = torch.arange(p0, p1 + 1, device=dev)
+                idx = pos[:, None] - far[None, :ns]  # [R, ns]
                 drop = idx < 0
                 idx.clamp_(min=0)
-                drop |= is_v[idx]  # the vertical part owns these cells
-                s_s = _sddmm(qc.transpose(0, 1), k_t, idx)  # [lg, R, ns]
-                s_s.masked_fill_(drop, neg_inf)
-                row_max = torch.maximum(row_max, s_s.amax(-1))
-
-            row_max = row_max.masked_fill_(torch.isinf(row_max), 0.0)[..., None]  # empty rows
-            acc = denom = None  # [lg, R, D], [lg, R, 1]
-            if s_v is not None:
-                p_v = torch.exp_(s_v.sub_(row_max))
-                denom = p_v.sum(-1, keepdim=True)
-                acc = p_v @ v_vert[:nv]
-            if s_s is not None:
-                p_s = torch.exp_(s_s.sub_(row_max))
-                d_s = p_s.sum(-1, keepdim=True)
-                a_s = torch.stack(
-                    [embedding_bag(idx, vh, per_sample_weights=p_s[h], mode="sum") for h in range(lg)]
+                drop |= is_v[idx]  # the other parts own cells on verticals
+                s_f = _sddmm(qb.float() * scale, k_t, idx).masked_fill_(drop, NEG_INF)
+                lse_f = torch.logsumexp(s_f, -1)  # [lg, R]
+                p_f = torch.exp_(s_f.sub_(lse_f.masked_fill(torch.isinf(lse_f), 0.0)[..., None]))
+                o_f = torch.stack(
+                    [embedding_bag(idx, vf, per_sample_weights=p_f[h], mode="sum") for h in range(lg)]
                 )
-                denom = d_s if denom is None else denom.add_(d_s)
-                acc = a_s if acc is None else acc.add_(a_s)
-            if acc is None:  # no line reaches these rows
-                out[r0:r1, heads] = 0
-                continue
-            acc /= torch.where(denom > 0, denom, torch.ones_like(denom))
-            out[r0:r1, heads] = acc.transpose(0, 1).to(out.dtype)
+                parts.append((o_f, lse_f))
+            out[r0:r1, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
+    return out
+
+
+def dense_attention_torch(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [N+n, Hkv, D]
+    v: torch.Tensor,  # [N+n, Hkv, D]
+    history_len: int,
+    scale: float | None = None,  # default 1/sqrt(D)
+) -> torch.Tensor:  # [n, Hq, D], q.dtype
+    """Exact causal attention of an extend through the fused kernel, no mask tensor.
+
+    The history columns are causal for every new query (one unmasked call) and the
+    new columns are a square causal block (one ``is_causal`` call); the two merge by
+    their log-sum-exps. A dense SDPA call over the whole ``[n, N+n]`` needs an offset
+    causal mask, which sends SDPA on a CPU to its unfused path (what an exact
+    backend must call to stay bit-identical to stock); a layer the sparse prefill
+    finds too dense to sparsify runs this instead.
+    """
+    dims = check_inputs(q, k, v, None, history_len)
+    scale = dims.head_dim**-0.5 if scale is None else scale
+    g = dims.group
+    out = torch.empty_like(q)
+    for kvh in range(dims.num_kv_heads):
+        heads = slice(kvh * g, (kvh + 1) * g)
+        qh = q[:, heads].transpose(0, 1)[None]  # [1, g, n, D]
+        kh, vh = k[:, kvh], v[:, kvh]
+        parts = []
+        if history_len:
+            o, lse = fused_attention(qh, kh[None, :history_len], vh[None, :history_len],
+                                     None, scale)
+            parts.append((o[0], lse[0]))
+        o, lse = fused_attention(qh, kh[None, history_len:], vh[None, history_len:],
+                                 None, scale, is_causal=True)
+        parts.append((o[0], lse[0]))
+        out[:, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
     return out

@@ -36,17 +36,28 @@ import torch
 
 from sgl_spec.attention.line_store import FINGERPRINT_LAYER, Fingerprint, LineStore, fingerprint
 from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines, vslash_attention
+from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 
 logger = logging.getLogger(__name__)
 
 # A layer whose selected lines cover more than this share of the causal cells runs
 # the dense call instead: above it the torch line kernel plus the selection cost
 # more than SDPA on this CPU (measured per layer on a 6k-token prompt of the default
-# model: select + attend ran 0.9-2.7x dense at density 0.21-0.65, 0.3-0.8x at
-# 0.03-0.16; 0.18 minimised the total). A layer that came out too dense skips its
-# selection in the next extends and re-selects every REPROBE_EVERY-th one.
-MAX_DENSITY = 0.18
+# model, one thread: select + attend ran 0.26-0.69x dense at density 0.03-0.16,
+# 0.74-1.0x at 0.20-0.26 and 1.9x at 0.65). A layer that came out too dense skips
+# its selection in the next extends and re-selects every REPROBE_EVERY-th one.
+MAX_DENSITY = 0.3
 REPROBE_EVERY = 8
+
+
+def _dense(q, k, v, history_len: int, scale, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A too-dense layer's attention: exact mode's call for a fresh prompt (SDPA with
+    ``is_causal``, already the fused kernel); over a cached prefix, the fused
+    history + causal split (``dense_attention_torch``), since exact mode's call
+    then needs an offset causal mask and runs SDPA's unfused path on a CPU."""
+    if history_len == 0 or q.device.type != "cpu":
+        return exact()
+    return dense_attention_torch(q, k, v, history_len, scale)
 
 
 class Metrics(Protocol):
@@ -162,7 +173,7 @@ class SparsePrefill:
             # Too dense last time: skip the selection too, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
             st.dense += 1
-            return exact()
+            return _dense(q, k, v, history_len, scale, exact)
         seeds = turn.seeds.get(layer) if turn.seeds else None
         t0 = time.perf_counter()
         lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
@@ -171,7 +182,7 @@ class SparsePrefill:
         if exact is not None and dens > self.max_density:
             self._over[layer] = over + 1
             st.dense += 1
-            out = exact()
+            out = _dense(q, k, v, history_len, scale, exact)
         else:
             self._over[layer] = 0
             out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
