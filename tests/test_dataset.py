@@ -212,7 +212,7 @@ def test_presets():
     default = DatasetConfig.preset("default")
     assert default.tokens_per_turn == (500, 1000, 1750) and default.turns == (2, 4)
     assert QUICK.conversations == 3 and QUICK.tokens_per_turn == (400,)
-    with pytest.raises(ValueError, match=r"\['default', 'quick'\]"):
+    with pytest.raises(ValueError, match=r"\['default', 'long-turns', 'quick'\]"):
         DatasetConfig.preset("huge")
 
 

@@ -116,9 +116,13 @@ class DatasetConfig:
 
     @classmethod
     def preset(cls, name: str) -> DatasetConfig:
-        """``default``: 18 conversations, histories ~1k to ~7k tokens; ``quick``: 3 small."""
+        """``default``: 18 conversations, histories ~1k to ~7k tokens; ``quick``: 3 small;
+        ``long-turns``: 27 two-turn conversations of 2300- or 3000-token messages, so
+        every turn is an extend of >= 2048 new tokens (the sparse prefill's default
+        threshold), 18 questions per position."""
         presets = {
             "default": cls(),
+            "long-turns": cls(conversations=27, turns=(2, 2), tokens_per_turn=(2300, 3000)),
             "quick": cls(conversations=3, turns=(2, 3), tokens_per_turn=(400,),
                          facts_per_turn=2),
         }

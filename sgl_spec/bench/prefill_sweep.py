@@ -59,9 +59,10 @@ class SweepPlan:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
 
     @classmethod
-    def preset(cls, quick: bool, repeats: int | None = None) -> SweepPlan:
-        lengths, r = ((1024, 4096), 1) if quick else ((1024, 2048, 4096, 6144), 3)
-        return cls(lengths=lengths, repeats=r if repeats is None else repeats)
+    def preset(cls, quick: bool, repeats: int | None = None,
+               lengths: tuple[int, ...] | None = None) -> SweepPlan:
+        default, r = ((1024, 4096), 1) if quick else ((1024, 2048, 4096, 6144), 3)
+        return cls(lengths=tuple(lengths or default), repeats=r if repeats is None else repeats)
 
 
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
@@ -187,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
     ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, 1 repeat")
     ap.add_argument("--repeats", type=int, metavar="R", help="override the repeats (>= 1)")
+    ap.add_argument("--lengths", type=int, nargs="+", metavar="N",
+                    help="new-turn token counts to time (default 1024 2048 4096 6144)")
     ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     args = ap.parse_args(argv)
     try:
-        plan = SweepPlan.preset(args.quick, args.repeats)
+        plan = SweepPlan.preset(args.quick, args.repeats, args.lengths)
     except ValueError as exc:
         ap.error(str(exc))
     from transformers import AutoTokenizer
