@@ -21,6 +21,7 @@ from sgl_spec.attention.sparse_decode import SparseDecoder
 from sgl_spec.bench.server import SPEC, ServerProcess
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 from sgl_spec.sparse import AttnShape, SparseParams, get_policy, pack_subsets
+from sgl_spec.sparse.params import use_exact
 
 SHAPE = AttnShape(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16)
 PARAMS = SparseParams(budget=8, sink=2, window=4, nd=4, first_select_step=4, min_context=32)
@@ -107,9 +108,9 @@ def test_decoder_matches_policy_and_reference_kernel(impl):
             subs = [twin.decode_layer(rid, layer, q[b], pool.history(layer, row) if reselect[b]
                                       else None) for b, (rid, row) in enumerate(zip(rids, rows))]
             dense = [b for b, s in enumerate(subs) if s.dense]
-            # Dense rows at a history >= min_context (LoopServe before its first
-            # selection) are attended in full by the decoder; the others are left.
-            here = [b for b in dense if pool.lens[rows[b]] >= PARAMS.min_context]
+            # Dense rows at a history the policy could sparsify (LoopServe before its
+            # first selection) are attended in full by the decoder; the others are left.
+            here = [b for b in dense if not use_exact(pool.lens[rows[b]], PARAMS)]
             assert exact == [b for b in dense if b not in here]
             for b in exact:
                 assert torch.isnan(out[b]).all()  # left to the dense path

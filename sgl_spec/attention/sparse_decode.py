@@ -14,10 +14,10 @@ or, for an extend pass (SnapKV only does work here):
 A row is exact (the caller runs its dense path) when the request has no state or
 the policy returns a dense subset for it: history < ``min_context``, budget + sink +
 window cover it, or the policy has not selected yet (LoopServe before step 16).
-On a CPU, a dense row at a history >= ``min_context`` (LoopServe's pre-selection
-steps) is attended here by ``kernels.sparse_decode.dense`` (the same full softmax
-through SDPA's fused kernel, ~5x faster than torch_native's per-request call at a
-7k history); the caller's exact path keeps every other dense row.
+On a CPU, a dense row at a history the policy could sparsify (not ``use_exact``:
+LoopServe's pre-selection steps) is attended here by ``kernels.sparse_decode.dense``:
+the same full softmax through SDPA's fused kernel, ~5x faster than torch_native's
+per-request call at a 7k history. The caller's exact path keeps every other dense row.
 Rows whose policy says at plan time that no layer needs them
 (``attends_layers``) skip ``decode_layer`` entirely, and a pass made only of such
 rows is not ``planned``: the backend makes exact mode's call, at exact mode's cost.
@@ -54,6 +54,7 @@ from sgl_spec.kernels.sparse_decode.torch_cached import (
     sparse_decode_cached,
 )
 from sgl_spec.sparse import SelectionPolicy, Subset, pack_subsets
+from sgl_spec.sparse.params import use_exact
 
 logger = logging.getLogger(__name__)
 
@@ -269,9 +270,10 @@ class SparseDecoder:
     def _dense_here(self, r: _Row, q: torch.Tensor) -> bool:
         """Whether a dense row of a tracked request runs ``dense_decode`` here rather
         than the caller's exact path: on a CPU (where torch_native's per-request decode
-        is SDPA's unfused path) and at a history the policy could sparsify (a row below
-        ``min_context`` keeps exact mode's call and cost)."""
-        return q.device.type == "cpu" and r.seq_len >= self.params.min_context
+        is SDPA's unfused path) and at a history the policy could sparsify. A row that
+        ``use_exact`` keeps dense (below ``min_context``, or covered by budget + sink +
+        window) keeps exact mode's call, its cost and its bits."""
+        return q.device.type == "cpu" and not use_exact(r.seq_len, self.params)
 
     def _fixed_kv(self, layer: int, b: int, sub: Subset, k_buf, v_buf, req_to_token) -> FixedKV:
         """Row b's sink + selection in this layer, gathered again only when the policy

@@ -41,10 +41,11 @@ from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 logger = logging.getLogger(__name__)
 
 # A layer whose selected lines cover more than this share of the causal cells runs
-# the dense call instead: above it the torch line kernel plus the selection cost
-# more than SDPA on this CPU (measured per layer on a 6k-token prompt of the default
-# model, one thread: select + attend ran 0.26-0.69x dense at density 0.03-0.16,
-# 0.74-1.0x at 0.20-0.26 and 1.9x at 0.65). A layer that came out too dense skips
+# the dense path instead: above it the line kernel plus the selection cost about
+# as much as dense attention on this CPU (the default model's 6k prompt, 2048 new
+# tokens over 4096 cached, 2 threads, ``kernels.vslash.bench --crossover 2048
+# --history 4096 --per-layer``: select + attend 0.26-0.71x dense at density
+# 0.02-0.23, 0.91x at 0.28, 1.70x at 0.64). A layer that came out too dense skips
 # its selection in the next extends and re-selects every REPROBE_EVERY-th one.
 MAX_DENSITY = 0.3
 REPROBE_EVERY = 8
