@@ -399,3 +399,14 @@ def test_a_server_that_does_not_come_up(monkeypatch, tmp_path):
     assert msg.startswith("configuration 'broken row': the server did not come up.")
     assert "No module named sgl_spec.bench.no_such_launcher" in msg
     assert str(tmp_path / "server-broken-row.log") in msg
+
+
+def test_solvable_check_is_na_without_short_history_questions(convs):
+    """A dataset of long turns only has no end-position question under 2048 tokens of
+    history: the reference's solvability check says n/a, not FAIL."""
+    res = _three_rows(convs)
+    for c in res["configs"]:
+        c["end_this_turn_short"] = {"exact_match": None, "n": 0, "max_history_tokens": 2048}
+    verdict = runner.acceptance(res)[
+        "sgl_spec exact: end-position this-turn EM, history < 2048 tokens"]
+    assert verdict == "n/a of 0 questions (need >= 0.5): n/a (no such question in this dataset)"
