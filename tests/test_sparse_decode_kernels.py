@@ -407,3 +407,12 @@ def test_dense_decode_is_dense_attention(case, dtype):
         out = dense_decode(batch.q[b], batch.k_buf, batch.v_buf, row, scale=batch.scale)
         assert out.dtype == dtype and out.shape == batch.q[b].shape
         assert rel_err(out, ref[b]) <= TOL[dtype]
+
+
+def test_dense_decode_benchmark_runs(capsys):
+    from sgl_spec.kernels.sparse_decode import bench_dense
+
+    bench_dense.main(["--history", "64", "--layers", "2", "--repeats", "1", "--q-heads", "4",
+                      "--kv-heads", "2", "--head-dim", "16"])
+    out = capsys.readouterr().out
+    assert "dense_decode" in out and "speedup" in out

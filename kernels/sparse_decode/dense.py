@@ -6,9 +6,11 @@ attention; the question is only which kernel computes it. torch_native's decode
 calls SDPA per request with one query row and ``enable_gqa``, which takes the
 unfused math path on a CPU. Here the ``G`` query heads of a KV head become ``G``
 query rows of one ``[1, Hkv, G, D]`` SDPA call over the request's gathered K/V,
-which runs SDPA's fused flash kernel (measured 4.8x faster per 30-layer step at a
-7k history on this CPU, one thread: 65 ms vs 311 ms). Same softmax, other
-rounding: exact mode keeps torch_native's call, so it stays bit-identical to stock.
+which runs SDPA's fused flash kernel: 58 ms against 324 ms per 30-layer step at a
+7k history on this CPU, one thread, with the same error against float64
+(``python -m sgl_spec.kernels.sparse_decode.bench_dense --history 7168 --threads 1``).
+Same softmax, other rounding: exact mode keeps torch_native's call, so it stays
+bit-identical to stock.
 
 ``reference.sparse_decode_reference`` with the full subset is its oracle.
 """

@@ -5,15 +5,16 @@ matrix masked afterwards. Per line head and block of ``R`` query rows
 (positions ``p0..p1``) the selected cells split into three disjoint parts, each
 computed the cheapest way on a CPU:
 
-* **far verticals**: the selected columns left of ``p0 - W + 1`` are causal and
-  selected for every row of the block: one unmasked fused attention call over the
-  gathered columns, no cell wasted;
-* **near part**: per sub-block of ``r`` rows (``r = SUB_ROWS``), the rectangle of
-  keys ``[p0' - W + 1, p1']`` (``r + W - 1`` columns) holds every cell of the
-  slashes with offset ``d < W`` (the local band and the slashes next to it) and of
-  the verticals in that range; the block's remaining verticals left of the
-  rectangle are gathered in front of it. A 0/-inf mask keeps exactly the selected
-  cells, and the sub-blocks run as the batch of one fused call;
+* **near part**: per sub-block of ``r`` rows (``r = SUB_ROWS``, positions
+  ``p0'..p1'``), the rectangle of keys ``[p0' - W + 1, p1']`` (``r + W - 1``
+  columns, a strided window of K/V, no gather) holds every cell of the slashes with
+  offset ``d < W`` (the local band and the slashes next to it) and of the verticals
+  in that range. A 0/-inf mask keeps exactly the selected cells, and the
+  sub-blocks run as the batch of one fused call;
+* **far verticals**: the selected columns left of a sub-block's rectangle are
+  causal and selected for all its rows: one fused call over the gathered columns
+  for the whole block, unmasked but for the few columns that lie left of a later
+  sub-block's rectangle and not of an earlier one's;
 * **far slashes** (``d >= W``): row ``p`` needs key ``p - d``, a different key per
   row and line, so no key is shared inside a block. ``torch.sparse.sampled_addmm``
   (SDDMM) computes exactly the ``R * n_far`` dot products from a fixed-width CSR
