@@ -13,22 +13,16 @@ KV head's query heads folded into query rows of one SDPA call). Medians of
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from ..vslash.bench import _median_s
 from .dense import dense_decode
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    fn()  # warm-up
+    return 1e3 * _median_s(fn, repeats)
 
 
 def main(argv: list[str] | None = None) -> None:
