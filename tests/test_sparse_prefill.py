@@ -88,7 +88,16 @@ def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(m
     calls = []
     real = mod.select_lines
     monkeypatch.setattr(mod, "select_lines", lambda *a, **k: calls.append(1) or real(*a, **k))
-    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1e-6)
+    ended = []  # observe_extend calls: every extend ends, skipped last layer or not
+
+    class Metrics:
+        def observe_pass(self, sparse, exact):
+            pass
+
+        def observe_extend(self, density, select_s, seeded):
+            ended.append(density)
+
+    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1e-6, metrics=Metrics())
     for _ in range(mod.REPROBE_EVERY + 1):
         sp.begin_pass([40])
         # Over a cached prefix: the fused history + causal split, dense attention.
@@ -97,6 +106,7 @@ def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(m
     assert len(calls) == 2
     st = sp.stats.layers[0]
     assert st.dense == mod.REPROBE_EVERY + 1 and st.extends == 2
+    assert len(ended) == mod.REPROBE_EVERY + 1
     fresh = _make_batch([0], [40], heads=6, kv_heads=2, dim=16)
     sp.begin_pass([40])  # a fresh prompt: exact mode's very call
     assert torch.equal(_extend(_backend(sp), fresh), _extend(_backend(None), fresh))
@@ -230,9 +240,16 @@ def test_prefill_sweep_ratios_markdown_and_metrics_parsing():
                          "plan": {"lengths": [1024, 4096]}})
     assert "| loopserve-prefill a=0.955 | 1.000 | 2.000* |" in md
     assert "| loopserve-prefill a=0.955 | 1.00 | 0.50 |" in md
+    assert "a fresh prompt" in md
+    md = sweep.markdown({"configs": configs, "ratios": r,
+                         "plan": {"lengths": [1024, 4096], "history": 2048}})
+    assert "a new turn over 2048 cached tokens" in md
     assert sweep.SweepPlan.preset(quick=True).lengths == (1024, 4096)
+    assert sweep.SweepPlan.preset(False, history=512).history == 512
     with pytest.raises(ValueError, match="repeats"):
         sweep.SweepPlan(repeats=0)
+    with pytest.raises(ValueError, match="history"):
+        sweep.SweepPlan(history=-1)
 
 
 def test_sparse_prefill_config_set_rows():

@@ -2,9 +2,9 @@
 
     python -m sgl_spec.kernels.vslash.bench --n 6144 --history 6144 --density 0.05 0.1 0.2
 
-The baseline is the call the exact attention backend makes for an extend with a
-cached prefix: ``scaled_dot_product_attention`` with the offset causal mask and
-``enable_gqa``. Line sets per KV head: local band + sinks + random verticals and
+The baseline is the call the exact attention backend (SGLang's torch_native) makes
+for an extend: one ``is_causal`` SDPA over the whole ``[N+n, N+n]`` square, the
+``N`` cached positions' query rows being placeholders (``dense_sdpa``). Line sets per KV head: local band + sinks + random verticals and
 isolated slashes (``--vertical-share`` of the added lines are verticals), sized to
 the requested cell density. Reports medians; writes JSON lines with ``--out`` and
 prints a table. On a shared machine use ``--threads 1``: a second OpenMP thread
@@ -72,18 +72,18 @@ def random_lines(
 
 
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: int) -> torch.Tensor:
-    """The exact backend's call: ``is_causal`` without a prefix, an offset mask with one."""
+    """The exact backend's call (SGLang's torch_native ``_run_sdpa_forward_extend``):
+    the new queries placed after ``history_len`` placeholder rows, one ``is_causal``
+    SDPA over the whole ``[N+n, N+n]`` square, the last ``n`` rows kept. (The
+    placeholders are zeros here; SGLang leaves them uninitialised.)"""
     n = q.shape[0]
-    mask = None
-    if history_len:
-        pos = torch.arange(history_len, history_len + n)[:, None]
-        mask = torch.arange(history_len + n)[None, :] <= pos  # [n, N+n]
+    qr = q.new_zeros(q.shape[1], history_len + n, q.shape[2])
+    qr[:, history_len:] = q.movedim(0, 1)
     out = scaled_dot_product_attention(
-        q.movedim(0, 1).unsqueeze(0), k.movedim(0, 1).unsqueeze(0),
-        v.movedim(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True,
-        is_causal=mask is None,
+        qr.unsqueeze(0), k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0),
+        enable_gqa=True, is_causal=True,
     )
-    return out.squeeze(0).movedim(1, 0)
+    return out[0, :, history_len:].movedim(1, 0)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -99,20 +99,22 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
               repeats: int, max_density: float = 0.3) -> list[dict]:
     """Dense vs select + sparse per extend size, summed over the given layers.
 
-    ``serving_s`` applies the sparse prefill's rule on a first extend: every layer
-    selects; a layer denser than ``max_density`` then runs the dense path (exact
-    mode's call on a fresh prompt, ``dense_attention_torch`` over a prefix) instead
-    of the line kernel. ``per_layer`` keeps each layer's figures.
+    ``serving_s`` times the serving path itself (``SparsePrefill.extend``, a first
+    extend, no stored lines): every layer selects, then each line head denser than
+    ``max_density`` attends densely (exact mode's call on a fresh prompt where the
+    whole layer is dense, ``dense_attention_torch`` otherwise) and the rest their
+    lines. ``per_layer`` keeps each layer's figures.
     """
+    from sgl_spec.attention.sparse_prefill import SparsePrefill
+
     from . import vslash_attention
-    from .torch_impl import dense_attention_torch
 
     cfg = SelectConfig(alpha=alpha)
     rows = []
     for n in ns:
         dense = select = sparse = serving = dens = 0.0
         per_layer = []
-        for lay in layers:
+        for i, lay in enumerate(layers):
             q = lay["q"][history : history + n]
             k, v = lay["k"][: history + n], lay["v"][: history + n]
             d_s = _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
@@ -121,12 +123,14 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
             a_s = _median_s(
                 lambda: vslash_attention(q, k, v, lines, history, impl="torch"), repeats)
             dl = float(density(lines, n, history).mean())
-            if dl <= max_density:
-                srv = s_s + a_s
-            elif history:
-                srv = s_s + _median_s(lambda: dense_attention_torch(q, k, v, history), repeats)
-            else:
-                srv = s_s + d_s
+            slots = torch.arange(history + n)
+
+            def serve() -> None:  # a fresh instance: no state from an earlier repeat
+                sp = SparsePrefill(cfg, 1, len(layers), max_density=max_density)
+                sp.extend(i, 0, slots, q, k, v, history, None, k,
+                          exact=lambda: dense_sdpa(q, k, v, history))
+
+            srv = _median_s(serve, repeats)
             dense, select, sparse, serving = dense + d_s, select + s_s, sparse + a_s, serving + srv
             dens += dl / len(layers)
             per_layer.append({"layer": lay.get("layer"), "density": dl, "dense_s": d_s,

@@ -106,12 +106,19 @@ def sampled_attention(
     g = dims.group
     pos = history_len + rows.to(q.device)  # [S]
     noncausal = torch.arange(dims.num_keys, device=q.device)[None, :] > pos[:, None]
+    # 16-bit inputs (the KV cache's dtype) multiply in 16 bits: 4x faster than fp32
+    # on a CPU with AVX512-BF16, and the scores' rounding (2^-9 relative) moves a
+    # probability by well under 1 %, which a sampled estimate of line mass absorbs.
+    # The softmax is fp32.
+    gemm = q.dtype if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype \
+        else torch.float32
     out = []
     for kvh in range(dims.num_kv_heads):  # one KV head at a time bounds the memory
-        qs = q[rows.to(q.device), kvh * g : (kvh + 1) * g].float() * scale  # [S, g, D]
-        kh = k[:, kvh].float().contiguous()  # [K, D]
-        # One GEMM against K^T as a view (no permuted copy of the [g, S, K] scores).
-        scores = torch.matmul(qs.transpose(0, 1), kh.t())  # [g, S, K]
+        qs = q[rows.to(q.device), kvh * g : (kvh + 1) * g].to(gemm)  # [S, g, D]
+        kh = k[:, kvh].to(gemm).contiguous()  # [K, D]
+        # One 2-D GEMM against K^T as a view (no permuted copy of the scores).
+        qs = qs.transpose(0, 1).reshape(-1, qs.shape[-1])  # [g*S, D]
+        scores = (qs @ kh.t()).view(g, -1, dims.num_keys).float().mul_(scale)  # [g, S, K]
         p = torch.softmax(scores.masked_fill_(noncausal, float("-inf")), dim=-1)
         if per_kv_head:
             out.append(p.mean(0, keepdim=True))

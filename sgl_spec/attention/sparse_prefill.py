@@ -53,9 +53,11 @@ REPROBE_EVERY = 8
 
 def _dense(q, k, v, history_len: int, scale, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
     """A too-dense layer's attention: exact mode's call for a fresh prompt (SDPA with
-    ``is_causal``, already the fused kernel); over a cached prefix, the fused
-    history + causal split (``dense_attention_torch``), since exact mode's call
-    then needs an offset causal mask and runs SDPA's unfused path on a CPU."""
+    ``is_causal``, the fused kernel); over a cached prefix, the fused history +
+    causal split (``dense_attention_torch``): the backend's exact call for a row
+    then takes an offset causal mask, which sends SDPA on a CPU to its unfused path
+    (and SGLang's own torch_native call, exact mode's, runs the whole ``[N+n, N+n]``
+    causal square with placeholder rows for the cached positions)."""
     if history_len == 0 or q.device.type != "cpu":
         return exact()
     return dense_attention_torch(q, k, v, history_len, scale)
@@ -174,7 +176,10 @@ class SparsePrefill:
             # Too dense last time: skip the selection too, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
             st.dense += 1
-            return _dense(q, k, v, history_len, scale, exact)
+            out = _dense(q, k, v, history_len, scale, exact)
+            if layer == self.num_layers - 1:  # the extend still ends here
+                self._finish(turn)
+            return out
         seeds = turn.seeds.get(layer) if turn.seeds else None
         t0 = time.perf_counter()
         lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)

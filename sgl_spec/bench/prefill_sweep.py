@@ -2,13 +2,19 @@
 
     python -m sgl_spec.bench.prefill_sweep --out results/prefill-sweep [--quick]
 
-One server at a time (``CONFIGS``). For each length N (``SweepPlan.lengths``; the
-first is below ``--spec-prefill-min-tokens``, a check that short turns cost the
-same): flush the cache, then send ``repeats`` fresh prompts of exactly N corpus
+One server at a time (``CONFIGS``; the last row attends densely through the
+sparse path, to tell the lines' saving from the dense kernel's). For each length
+N (``SweepPlan.lengths``; the first is below ``--spec-prefill-min-tokens``, a check
+that short turns cost the same): flush the cache, then send ``repeats`` fresh prompts of exactly N corpus
 tokens (a different text per repeat, so nothing is cached) with
 ``max_new_tokens=1``; TTFT is the request latency. Medians over repeats; ratios
 against ``sgl_spec exact`` measured in the same run. Writes ``results.json``,
 ``results.md`` and ``prefill_ttft.png``.
+
+``--history H``: each prompt is instead a new turn of N tokens after H tokens of
+conversation already in the radix cache (the chat a user pastes a document into):
+the first H tokens are sent and cached first, then the whole prompt is timed, so
+the prefill is an extend of N tokens over a cached prefix of H.
 
 Every server gets the harness's common flags (``--enable-metrics`` among them);
 the ``sgl_spec:sparse_prefill_extends_total`` counters (read before and after
@@ -41,6 +47,13 @@ CONFIGS: tuple[ServerConfig, ...] = (
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.955")),
     ServerConfig("loopserve-prefill a=0.98", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98")),
+    # The attribution row: every layer is "too dense", so the sparse path attends
+    # densely (exact's call on a fresh extend, the fused history + causal split
+    # over a prefix) and selects only on re-probes. What the rows above gain beyond
+    # this one is the lines' own saving.
+    ServerConfig("loopserve-prefill, no lines (max-density 1e-6)", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98",
+                  "--spec-prefill-max-density", "1e-6")),
 )
 SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)  # after configset.COMMON_FLAGS
 PNG = "prefill_ttft.png"
@@ -51,32 +64,39 @@ class SweepPlan:
     lengths: tuple[int, ...] = (1024, 2048, 4096, 6144)  # new-turn tokens
     repeats: int = 3
     seed: int = 0
+    history: int = 0  # cached conversation tokens before each new turn
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 16:
             raise ValueError(f"lengths must be >= 16 tokens, got {self.lengths}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.history < 0:
+            raise ValueError(f"--history must be >= 0, got {self.history}")
 
     @classmethod
     def preset(cls, quick: bool, repeats: int | None = None,
-               lengths: tuple[int, ...] | None = None) -> SweepPlan:
+               lengths: tuple[int, ...] | None = None, history: int = 0) -> SweepPlan:
         default, r = ((1024, 4096), 1) if quick else ((1024, 2048, 4096, 6144), 3)
-        return cls(lengths=tuple(lengths or default), repeats=r if repeats is None else repeats)
+        return cls(lengths=tuple(lengths or default), repeats=r if repeats is None else repeats,
+                   history=history)
 
 
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
-    """``repeats`` + 1 (a warm-up) different prompts of exactly ``n`` tokens per length."""
+    """``repeats`` + 1 (a warm-up) different prompts of exactly ``history + n`` tokens
+    per length ``n``."""
     from sgl_spec.bench import corpus
 
     out = {}
     for n in plan.lengths:  # corpus text is <= its budget, within 2 %: ask a bit more
-        docs = [corpus.document(tokenizer, int(n * 1.03) + 16, seed=plan.seed + 1000 * n + i)
+        total = n + plan.history
+        docs = [corpus.document(tokenizer, int(total * 1.03) + 16,
+                                seed=plan.seed + 1000 * n + i)
                 for i in range(plan.repeats + 1)]
-        out[n] = [tokenizer.encode(d, add_special_tokens=False)[:n] for d in docs]
-        short = [len(p) for p in out[n] if len(p) != n]
+        out[n] = [tokenizer.encode(d, add_special_tokens=False)[:total] for d in docs]
+        short = [len(p) for p in out[n] if len(p) != total]
         if short:
-            raise ValueError(f"corpus prompts of {short} tokens, wanted {n}")
+            raise ValueError(f"corpus prompts of {short} tokens, wanted {total}")
     return out
 
 
@@ -100,11 +120,28 @@ def _extends(url: str) -> dict[str, float]:
     return parse_extends(requests.get(url + "/metrics", timeout=30).text)
 
 
-def measure(url: str, prompts: list[list[int]]) -> dict:
-    """One length: a warm-up prompt, then each timed prompt once (all distinct)."""
-    first_token(url, prompts[0])
+def _flush(url: str) -> None:
+    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+
+
+def _turn(url: str, prompt: list[int], history: int) -> dict:
+    """Flush, cache the first ``history`` tokens (untimed), time the whole prompt."""
+    _flush(url)
+    if history:
+        first_token(url, prompt[:history])
+    return first_token(url, prompt)
+
+
+def measure(url: str, prompts: list[list[int]], history: int = 0) -> dict:
+    """One length: a warm-up prompt, then each timed prompt once (all distinct).
+
+    The radix cache is flushed before every prompt: corpus prompts can share their
+    first tokens, and an unplanned cached token would make the prompt an extend
+    over a prefix (and shift the chunked prefill's split below
+    ``--spec-prefill-min-tokens``). Only the planned ``history`` is cached."""
+    _turn(url, prompts[0], history)
     before = _extends(url)
-    reqs = [first_token(url, p) for p in prompts[1:]]
+    reqs = [_turn(url, p, history) for p in prompts[1:]]
     after = _extends(url)
     extends = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
     return {"ttft_median_s": statistics.median(r["ttft_s"] for r in reqs),
@@ -120,9 +157,8 @@ def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, ou
     points: dict[str, dict] = {}
     with ServerProcess(cfg.module, args, log_path=log) as server:
         for n in plan.lengths:
-            requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
             bar.set_description(f"{cfg.name}: {n} tok")
-            points[str(n)] = {"tokens": n, **measure(server.url, prompts[n])}
+            points[str(n)] = {"tokens": n, **measure(server.url, prompts[n], plan.history)}
             bar.update(1)
     return {"name": cfg.name, "config": asdict(cfg), "module": cfg.module, "args": args,
             "peak_rss_bytes": server.peak_rss_bytes, "log": log, "points": points}
@@ -142,7 +178,9 @@ def ratios(configs: list[dict], reference: str = REFERENCE) -> dict[str, dict[st
 def markdown(res: dict) -> str:
     configs = res["configs"]
     lengths = [str(n) for n in res["plan"]["lengths"]]
-    lines = ["# TTFT of a fresh prompt vs length (median, seconds)", "",
+    hist = res["plan"].get("history", 0)
+    what = f"a new turn over {hist} cached tokens" if hist else "a fresh prompt"
+    lines = [f"# TTFT of {what} vs its length (median, seconds)", "",
              "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
              "|---" * (len(lengths) + 1) + "|"]
     for c in configs:
@@ -172,7 +210,10 @@ def plot(res: dict, path: str) -> str:
         xs = sorted(int(n) for n in r)
         ax.plot(xs, [r[str(x)] for x in xs], marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="prompt tokens (fresh, uncached)", ylabel=f"TTFT / {REFERENCE}",
+    hist = res["plan"].get("history", 0)
+    xlabel = (f"new-turn tokens (over {hist} cached)" if hist
+              else "prompt tokens (fresh, uncached)")
+    ax.set(xlabel=xlabel, ylabel=f"TTFT / {REFERENCE}",
            title="Sparse prefill: TTFT ratio")
     ax.legend(fontsize="small")
     fig.tight_layout()
@@ -190,15 +231,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, metavar="R", help="override the repeats (>= 1)")
     ap.add_argument("--lengths", type=int, nargs="+", metavar="N",
                     help="new-turn token counts to time (default 1024 2048 4096 6144)")
+    ap.add_argument("--history", type=int, default=0, metavar="H",
+                    help="time a new turn after H cached conversation tokens (default 0: "
+                         "a fresh prompt)")
     ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     args = ap.parse_args(argv)
     try:
-        plan = SweepPlan.preset(args.quick, args.repeats, args.lengths)
+        plan = SweepPlan.preset(args.quick, args.repeats, args.lengths, args.history)
     except ValueError as exc:
         ap.error(str(exc))
     from transformers import AutoTokenizer
 
-    model = provenance.sweep_model(ap, args.model_path, max(plan.lengths) + 1)
+    model = provenance.sweep_model(ap, args.model_path, max(plan.lengths) + plan.history + 1)
     os.makedirs(args.out, exist_ok=True)
     from tqdm import tqdm
 
