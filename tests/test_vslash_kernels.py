@@ -391,3 +391,24 @@ def test_dense_attention_torch_is_causal_attention(shape, dtype):
                                make_lines_kind("dense", hkv, n, hist), hist)
     assert out.dtype == dt and out.shape == q.shape
     assert rel_err(out, ref) <= TOL[dt]
+
+
+def test_crossover_bench_times_every_path_on_the_same_extend():
+    """The bench behind the README's crossover table runs on a tiny layer: every path
+    is timed, the baseline (exact mode's masked call) and the fused split agree, and
+    the serving path's figure is reported."""
+    from sgl_spec.kernels.vslash.bench import crossover, dense_sdpa
+    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+
+    g = torch.Generator().manual_seed(3)
+    hist, n = 48, 80
+    lay = {"q": torch.randn(hist + n, 6, 16, generator=g),
+           "k": torch.randn(hist + n, 2, 16, generator=g),
+           "v": torch.randn(hist + n, 2, 16, generator=g), "layer": 0}
+    q, k, v = lay["q"][hist:], lay["k"], lay["v"]
+    torch.testing.assert_close(dense_sdpa(q, k, v, hist), dense_attention_torch(q, k, v, hist),
+                               rtol=1e-4, atol=1e-5)
+    (row,) = crossover([lay], [n], hist, alpha=0.9, repeats=1)
+    for key in ("dense_s", "split_s", "select_s", "vslash_s", "serving_s"):
+        assert row[key] > 0 and row["per_layer"][0][key] == row[key]
+    assert 0 < row["density"] <= 1 and row["n"] == n and row["history"] == hist

@@ -2,9 +2,9 @@
 
     python -m sgl_spec.kernels.vslash.bench --n 6144 --history 6144 --density 0.05 0.1 0.2
 
-The baseline is the call the exact attention backend (SGLang's torch_native) makes
-for an extend: one ``is_causal`` SDPA over the whole ``[N+n, N+n]`` square, the
-``N`` cached positions' query rows being placeholders (``dense_sdpa``). Line sets per KV head: local band + sinks + random verticals and
+The baseline is the call the exact attention backend makes for an extend with a
+cached prefix: ``scaled_dot_product_attention`` with the offset causal mask and
+``enable_gqa``. Line sets per KV head: local band + sinks + random verticals and
 isolated slashes (``--vertical-share`` of the added lines are verticals), sized to
 the requested cell density. Reports medians; writes JSON lines with ``--out`` and
 prints a table. On a shared machine use ``--threads 1``: a second OpenMP thread
@@ -18,7 +18,9 @@ Real-model inputs (``--qk FILE``, written by ``python -m sgl_spec.bench.prefill_
 
 ``--crossover``: per new-token count n, an extend of the first n tokens after
 ``--history`` cached ones, summed over ``--layers``: dense SDPA (the exact backend's
-call) against ``select_lines`` + ``vslash_attention`` (the sparse prefill's calls);
+call), the fused history + causal split (``dense_attention_torch``, what a too-dense
+layer runs over a prefix), ``select_lines`` + ``vslash_attention`` (the sparse
+prefill's calls) and the serving path itself (``SparsePrefill.extend``);
 the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s default.
 ``--reuse``: the chat's second turn selected with and without the first turn's
 lines as seeds: selection time, density and recovered mass (full attention).
@@ -72,18 +74,18 @@ def random_lines(
 
 
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: int) -> torch.Tensor:
-    """The exact backend's call (SGLang's torch_native ``_run_sdpa_forward_extend``):
-    the new queries placed after ``history_len`` placeholder rows, one ``is_causal``
-    SDPA over the whole ``[N+n, N+n]`` square, the last ``n`` rows kept. (The
-    placeholders are zeros here; SGLang leaves them uninitialised.)"""
+    """The exact backend's call: ``is_causal`` without a prefix, an offset mask with one."""
     n = q.shape[0]
-    qr = q.new_zeros(q.shape[1], history_len + n, q.shape[2])
-    qr[:, history_len:] = q.movedim(0, 1)
+    mask = None
+    if history_len:
+        pos = torch.arange(history_len, history_len + n)[:, None]
+        mask = torch.arange(history_len + n)[None, :] <= pos  # [n, N+n]
     out = scaled_dot_product_attention(
-        qr.unsqueeze(0), k.movedim(0, 1).unsqueeze(0), v.movedim(0, 1).unsqueeze(0),
-        enable_gqa=True, is_causal=True,
+        q.movedim(0, 1).unsqueeze(0), k.movedim(0, 1).unsqueeze(0),
+        v.movedim(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True,
+        is_causal=mask is None,
     )
-    return out[0, :, history_len:].movedim(1, 0)
+    return out.squeeze(0).movedim(1, 0)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -100,24 +102,26 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
     """Dense vs select + sparse per extend size, summed over the given layers.
 
     ``serving_s`` times the serving path itself (``SparsePrefill.extend``, a first
-    extend, no stored lines): every layer selects, then each line head denser than
-    ``max_density`` attends densely (exact mode's call on a fresh prompt where the
-    whole layer is dense, ``dense_attention_torch`` otherwise) and the rest their
-    lines. ``per_layer`` keeps each layer's figures.
+    extend, no stored lines): every layer selects; a layer denser than
+    ``max_density`` then runs the dense path (exact mode's call on a fresh prompt,
+    ``dense_attention_torch`` over a prefix) instead of the line kernel. ``split_s``
+    is ``dense_attention_torch`` alone. ``per_layer`` keeps each layer's figures.
     """
     from sgl_spec.attention.sparse_prefill import SparsePrefill
 
     from . import vslash_attention
+    from .torch_impl import dense_attention_torch
 
     cfg = SelectConfig(alpha=alpha)
     rows = []
     for n in ns:
-        dense = select = sparse = serving = dens = 0.0
+        dense = split = select = sparse = serving = dens = 0.0
         per_layer = []
         for i, lay in enumerate(layers):
             q = lay["q"][history : history + n]
             k, v = lay["k"][: history + n], lay["v"][: history + n]
             d_s = _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
+            x_s = _median_s(lambda: dense_attention_torch(q, k, v, history), repeats)
             s_s = _median_s(lambda: select_lines(q, k, history, cfg), repeats)
             lines = select_lines(q, k, history, cfg)
             a_s = _median_s(
@@ -131,12 +135,14 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
                           exact=lambda: dense_sdpa(q, k, v, history))
 
             srv = _median_s(serve, repeats)
-            dense, select, sparse, serving = dense + d_s, select + s_s, sparse + a_s, serving + srv
+            dense, split, select = dense + d_s, split + x_s, select + s_s
+            sparse, serving = sparse + a_s, serving + srv
             dens += dl / len(layers)
             per_layer.append({"layer": lay.get("layer"), "density": dl, "dense_s": d_s,
-                              "select_s": s_s, "vslash_s": a_s, "serving_s": srv})
+                              "split_s": x_s, "select_s": s_s, "vslash_s": a_s, "serving_s": srv})
         rows.append({"n": n, "history": history, "alpha": alpha, "layers": len(layers),
-                     "dense_s": dense, "select_s": select, "vslash_s": sparse,
+                     "dense_s": dense, "split_s": split, "select_s": select,
+                     "vslash_s": sparse,
                      "speedup": dense / (select + sparse), "density": dens,
                      "max_density": max_density, "serving_s": serving,
                      "serving_ratio": serving / dense, "per_layer": per_layer})
@@ -176,11 +182,12 @@ def main_qk(args) -> None:
                          args.max_density)
         print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
               f"{torch.get_num_threads()} threads, median of {args.repeats}")
-        print(f"{'n':>6} {'dense s':>8} {'select s':>9} {'vslash s':>9} {'speedup':>8} "
-              f"{'density':>8} {'serving/dense':>14}")
+        print(f"{'n':>6} {'dense s':>8} {'split s':>8} {'select s':>9} {'vslash s':>9} "
+              f"{'speedup':>8} {'density':>8} {'serving s':>10} {'serving/dense':>14}")
         for r in rows:
-            print(f"{r['n']:6d} {r['dense_s']:8.3f} {r['select_s']:9.3f} {r['vslash_s']:9.3f} "
-                  f"{r['speedup']:7.2f}x {r['density']:8.3f} {r['serving_ratio']:13.2f}x")
+            print(f"{r['n']:6d} {r['dense_s']:8.3f} {r['split_s']:8.3f} {r['select_s']:9.3f} "
+                  f"{r['vslash_s']:9.3f} {r['speedup']:7.2f}x {r['density']:8.3f} "
+                  f"{r['serving_s']:10.3f} {r['serving_ratio']:13.2f}x")
             if args.per_layer:
                 for p in r["per_layer"]:
                     print(f"    layer {p['layer']:>2} density {p['density']:.2f} dense "

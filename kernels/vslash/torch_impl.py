@@ -293,11 +293,10 @@ def dense_attention_torch(
 
     The history columns are causal for every new query (one unmasked call) and the
     new columns are a square causal block (one ``is_causal`` call); the two merge by
-    their log-sum-exps: ``n*N + n^2/2`` cells. The exact backend (SGLang's
-    torch_native, which exact mode must call to stay bit-identical to stock) runs one
-    ``is_causal`` call over the whole ``[N+n, N+n]`` square with placeholder rows for
-    the cached positions, ``(N+n)^2/2`` cells; a line head the sparse prefill finds
-    too dense to sparsify runs this instead.
+    their log-sum-exps. A dense SDPA call over the whole ``[n, N+n]`` needs an offset
+    causal mask, which sends SDPA on a CPU to its unfused path (what an exact
+    backend must call to stay bit-identical to stock); a layer the sparse prefill
+    finds too dense to sparsify runs this instead.
     """
     dims = check_inputs(q, k, v, None, history_len)
     scale = dims.head_dim**-0.5 if scale is None else scale

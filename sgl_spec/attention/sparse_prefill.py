@@ -53,11 +53,9 @@ REPROBE_EVERY = 8
 
 def _dense(q, k, v, history_len: int, scale, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
     """A too-dense layer's attention: exact mode's call for a fresh prompt (SDPA with
-    ``is_causal``, the fused kernel); over a cached prefix, the fused history +
-    causal split (``dense_attention_torch``): the backend's exact call for a row
-    then takes an offset causal mask, which sends SDPA on a CPU to its unfused path
-    (and SGLang's own torch_native call, exact mode's, runs the whole ``[N+n, N+n]``
-    causal square with placeholder rows for the cached positions)."""
+    ``is_causal``, already the fused kernel); over a cached prefix, the fused
+    history + causal split (``dense_attention_torch``), since exact mode's call
+    then needs an offset causal mask and runs SDPA's unfused path on a CPU."""
     if history_len == 0 or q.device.type != "cpu":
         return exact()
     return dense_attention_torch(q, k, v, history_len, scale)
