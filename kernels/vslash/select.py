@@ -106,12 +106,13 @@ def sampled_attention(
     g = dims.group
     pos = history_len + rows.to(q.device)  # [S]
     noncausal = torch.arange(dims.num_keys, device=q.device)[None, :] > pos[:, None]
-    # 16-bit inputs (the KV cache's dtype) multiply in 16 bits: 4x faster than fp32
-    # on a CPU with AVX512-BF16, and the scores' rounding (2^-9 relative) moves a
-    # probability by well under 1 %, which a sampled estimate of line mass absorbs.
-    # The softmax is fp32.
-    gemm = q.dtype if q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype \
-        else torch.float32
+    # 16-bit inputs (the KV cache's dtype) multiply in 16 bits, 4x faster than fp32
+    # on a CPU with AVX512-BF16. The scores round to bf16 (2^-9 of each score), which
+    # moves a probability by a few percent at most for the largest logits: the
+    # selection ranks line masses of a sample, and its coverage guarantee holds on
+    # the probabilities it computed. The softmax is fp32.
+    half = (torch.float16, torch.bfloat16)
+    gemm = q.dtype if q.dtype in half and k.dtype == q.dtype else torch.float32
     out = []
     for kvh in range(dims.num_kv_heads):  # one KV head at a time bounds the memory
         qs = q[rows.to(q.device), kvh * g : (kvh + 1) * g].to(gemm)  # [S, g, D]
