@@ -13,7 +13,10 @@ pytestmark = pytest.mark.server
 QUESTION = "What is the capital of France?"
 # Largest top1-top2 logprob gap at which a greedy flip counts as a near-tie
 # (floating-point sums in another order); anything larger is a real difference.
-NEAR_TIE_NATS = 0.1
+# SGLang's lm_head returns bf16 logits, so margins come in bf16 steps: one ulp is
+# 0.0625 nats for logits in [8, 16) and 0.125 in [16, 32). A flip one or two ulps
+# apart is rounding (CI once saw a batched flip at exactly 0.125).
+NEAR_TIE_NATS = 0.25
 
 
 def chatml(user: str, system: str | None = None) -> str:
@@ -66,7 +69,7 @@ def assert_same_greedy(stock_url: str, prompt: str, stock: dict, spec: dict) -> 
         return
     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     margin = top2_margin(stock_url, prompt, a[:j])
-    assert margin < NEAR_TIE_NATS, (
+    assert margin <= NEAR_TIE_NATS, (
         f"outputs diverge at token {j} with top-2 margin {margin:.3f} nats "
         f"(not a near-tie):\nstock: {stock['text']!r}\nspec:  {spec['text']!r}"
     )
