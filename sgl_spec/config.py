@@ -46,6 +46,7 @@ class SpecConfig:
     prefill_min_tokens: int = 2048
     prefill_reuse: bool = True
     prefill_max_density: float = 0.3  # sgl_spec.attention.sparse_prefill.MAX_DENSITY
+    prefill_skip_density: float = 0.2  # sgl_spec.attention.sparse_prefill.SKIP_DENSITY
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -77,6 +78,12 @@ class SpecConfig:
         if isinstance(dmax, bool) or not isinstance(dmax, (int, float)) or not 0.0 < dmax <= 1.0:
             raise ValueError(
                 f"--spec-prefill-max-density {dmax!r} is invalid; valid range: a number in (0, 1]"
+            )
+        dskip = self.prefill_skip_density
+        if isinstance(dskip, bool) or not isinstance(dskip, (int, float)) or not 0.0 < dskip <= 1.0:
+            raise ValueError(
+                f"--spec-prefill-skip-density {dskip!r} is invalid; valid range: a number in "
+                "(0, 1]"
             )
 
     def sparse_params(self) -> SparseParams:
@@ -207,9 +214,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="FLOAT",
         help="loopserve prefill: a layer whose selected lines cover more than this "
         "share of the causal cells makes the dense call instead (the line kernel "
-        "would cost more), and skips its selection in the next extends, re-selecting "
-        f"every 8th. Number in (0, 1]; 1 never falls back. Default: "
-        f"{defaults.prefill_max_density}.",
+        "would cost more than the dense call). Number in (0, 1]; 1 never falls back. "
+        f"Default: {defaults.prefill_max_density}.",
+    )
+    group.add_argument(
+        "--spec-prefill-skip-density",
+        type=_float_or_text,
+        default=defaults.prefill_skip_density,
+        metavar="FLOAT",
+        help="loopserve prefill: a layer whose selected lines cover more than this "
+        "share of the causal cells skips its selection in the next extends and makes "
+        "the dense call (selection plus lines would cost more than the dense call), "
+        "re-selecting every 8th extend. Number in (0, 1]; 1 never skips. Default: "
+        f"{defaults.prefill_skip_density}.",
     )
     group.add_argument(
         "--spec-prefill-reuse",
@@ -239,6 +256,7 @@ def from_cli_args(args: argparse.Namespace) -> SpecConfig:
         prefill_min_tokens=args.spec_prefill_min_tokens,
         prefill_reuse=args.spec_prefill_reuse,
         prefill_max_density=args.spec_prefill_max_density,
+        prefill_skip_density=args.spec_prefill_skip_density,
         **{dest: getattr(args, dest) for dest in _SPARSE_HELP},
     )
 

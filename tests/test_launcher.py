@@ -56,11 +56,14 @@ def test_sparse_flags_fill_the_config_and_its_params():
          "valid range: integers >= 1"),
         (["--spec-prefill-max-density", "0"], "--spec-prefill-max-density",
          "a number in (0, 1]"),
+        (["--spec-prefill-skip-density", "2"], "--spec-prefill-skip-density",
+         "a number in (0, 1]"),
     ],
     ids=["bad-mode", "unknown-flag", "equals-form", "budget-0", "budget-text",
          "sink-negative", "window-0", "nd-float", "min-context-negative",
          "prefill-mode", "prefill-alpha-0", "prefill-alpha-1.5", "prefill-alpha-text",
-         "prefill-min-tokens-0", "prefill-min-tokens-float", "prefill-max-density-0"],
+         "prefill-min-tokens-0", "prefill-min-tokens-float", "prefill-max-density-0",
+         "prefill-skip-density-2"],
 )
 def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, flag, valid, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -152,7 +155,7 @@ def test_help_lists_sglang_and_spec_flags():
                  "--spec-budget", "--spec-sink", "--spec-window", "--spec-nd",
                  "--spec-min-context", "--spec-prefill", "--spec-prefill-alpha",
                  "--spec-prefill-min-tokens", "--no-spec-prefill-reuse",
-                 "--spec-prefill-max-density"):
+                 "--spec-prefill-max-density", "--spec-prefill-skip-density"):
         assert flag in proc.stdout
     text = " ".join(proc.stdout.split())  # argparse wraps help lines
     assert "Default: exact" in text

@@ -97,7 +97,8 @@ def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(m
         def observe_extend(self, density, select_s, seeded):
             ended.append(density)
 
-    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1e-6, metrics=Metrics())
+    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1e-6, skip_density=1e-6,
+                       metrics=Metrics())
     for _ in range(mod.REPROBE_EVERY + 1):
         sp.begin_pass([40])
         # Over a cached prefix: the fused history + causal split, dense attention.
@@ -112,6 +113,36 @@ def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(m
     assert torch.equal(_extend(_backend(sp), fresh), _extend(_backend(None), fresh))
     with pytest.raises(ValueError, match="max_density"):
         SparsePrefill(CFG, min_tokens=1, num_layers=1, max_density=0)
+    with pytest.raises(ValueError, match="skip_density"):
+        SparsePrefill(CFG, min_tokens=1, num_layers=1, skip_density=1.5)
+
+
+def test_layers_above_skip_density_attend_their_lines_then_skip_selection(monkeypatch):
+    """Selection paid: lines up to max_density; the next extends skip selection."""
+    from sgl_spec.attention import sparse_prefill as mod
+
+    batch = _make_batch([30], [40], heads=6, kv_heads=2, dim=16)
+    dense = _extend(_backend(None), batch)
+    calls = []
+    real = mod.select_lines
+    monkeypatch.setattr(mod, "select_lines", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1.0, skip_density=1e-6)
+    sp.begin_pass([40])
+    first = _extend(_backend(sp), batch)
+    slots = batch["req_to_token"][batch["req_pool_indices"][0], :70]
+    k, v = batch["k_cache"][slots], batch["v_cache"][slots]
+    lines = real(batch["query"], k, 30, CFG, SCALE)
+    want = vslash_attention_ref(batch["query"], k, v, lines, 30, SCALE)
+    torch.testing.assert_close(first, want.to(first.dtype), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first, dense, rtol=1e-4, atol=1e-5)  # the lines, not dense
+    sp.begin_pass([40])
+    torch.testing.assert_close(_extend(_backend(sp), batch), dense, rtol=1e-4, atol=1e-5)
+    assert len(calls) == 1 and sp.stats.layers[0].dense == 1
+    sp_keep = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1.0, skip_density=1.0)
+    for _ in range(2):
+        sp_keep.begin_pass([40])
+        torch.testing.assert_close(_extend(_backend(sp_keep), batch), first)
+    assert len(calls) == 3  # skip_density 1: every extend selects
 
 
 def test_no_layer_id_means_exact():

@@ -397,7 +397,7 @@ def test_crossover_bench_times_every_path_on_the_same_extend():
     """The bench behind the README's crossover table runs on a tiny layer: every path
     is timed, the baseline (exact mode's masked call) and the fused split agree, and
     the serving path's figure is reported."""
-    from sgl_spec.kernels.vslash.bench import crossover, dense_sdpa
+    from sgl_spec.kernels.vslash.bench import break_even, crossover, dense_sdpa
     from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 
     g = torch.Generator().manual_seed(3)
@@ -409,9 +409,14 @@ def test_crossover_bench_times_every_path_on_the_same_extend():
     torch.testing.assert_close(dense_sdpa(q, k, v, hist), dense_attention_torch(q, k, v, hist),
                                rtol=1e-4, atol=1e-5)
     (row,) = crossover([lay], [n], hist, alpha=0.9, repeats=1)
-    for key in ("dense_s", "split_s", "select_s", "vslash_s", "serving_s"):
+    for key in ("dense_s", "split_s", "select_s", "vslash_s", "serving_s", "steady_s"):
         assert row[key] > 0 and row["per_layer"][0][key] == row[key]
     assert 0 < row["density"] <= 1 and row["n"] == n and row["history"] == hist
+    layer = row["per_layer"][0]
+    assert layer["fallback_s"] == layer["split_s"]  # over a prefix: the fused split
+    (b,) = break_even(row["per_layer"])
+    assert b["lo"] <= layer["density"] < b["hi"] and b["layers"] == 1
+    assert b["vslash"] == pytest.approx(layer["vslash_s"] / layer["split_s"])
 
 
 def test_sampled_attention_in_bf16_is_the_fp32_one_up_to_rounding():

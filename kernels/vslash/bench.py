@@ -98,14 +98,18 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
-              repeats: int, max_density: float = 0.3) -> list[dict]:
+              repeats: int, max_density: float = 0.3, skip_density: float = 0.2) -> list[dict]:
     """Dense vs select + sparse per extend size, summed over the given layers.
 
     ``serving_s`` times the serving path itself (``SparsePrefill.extend``, a first
     extend, no stored lines): every layer selects; a layer denser than
     ``max_density`` then runs the dense path (exact mode's call on a fresh prompt,
-    ``dense_attention_torch`` over a prefix) instead of the line kernel. ``split_s``
-    is ``dense_attention_torch`` alone. ``per_layer`` keeps each layer's figures.
+    ``dense_attention_torch`` over a prefix) instead of the line kernel.
+    ``steady_s`` times the same extend again on the same instance: a layer that
+    came out denser than ``skip_density`` skips its selection and makes the dense
+    call (the state a server reaches after its first long extend). ``split_s`` is
+    ``dense_attention_torch`` alone. ``per_layer`` keeps each layer's figures,
+    ``fallback_s`` among them: the dense path a layer falls back to.
     """
     from sgl_spec.attention.sparse_prefill import SparsePrefill
 
@@ -115,7 +119,7 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
     cfg = SelectConfig(alpha=alpha)
     rows = []
     for n in ns:
-        dense = split = select = sparse = serving = dens = 0.0
+        dense = split = select = sparse = serving = steady = dens = 0.0
         per_layer = []
         for i, lay in enumerate(layers):
             q = lay["q"][history : history + n]
@@ -129,24 +133,52 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
             dl = float(density(lines, n, history).mean())
             slots = torch.arange(history + n)
 
-            def serve() -> None:  # a fresh instance: no state from an earlier repeat
-                sp = SparsePrefill(cfg, 1, len(layers), max_density=max_density)
+            def prefill() -> SparsePrefill:
+                return SparsePrefill(cfg, 1, len(layers), max_density=max_density,
+                                     skip_density=skip_density)
+
+            def serve(sp: SparsePrefill) -> None:
                 sp.extend(i, 0, slots, q, k, v, history, None, k,
                           exact=lambda: dense_sdpa(q, k, v, history))
 
-            srv = _median_s(serve, repeats)
+            srv = _median_s(lambda: serve(prefill()), repeats)  # fresh: no state
+            warm = prefill()
+            serve(warm)
+            std = _median_s(lambda: serve(warm), repeats)
             dense, split, select = dense + d_s, split + x_s, select + s_s
-            sparse, serving = sparse + a_s, serving + srv
+            sparse, serving, steady = sparse + a_s, serving + srv, steady + std
             dens += dl / len(layers)
             per_layer.append({"layer": lay.get("layer"), "density": dl, "dense_s": d_s,
-                              "split_s": x_s, "select_s": s_s, "vslash_s": a_s, "serving_s": srv})
+                              "split_s": x_s, "select_s": s_s, "vslash_s": a_s,
+                              "serving_s": srv, "steady_s": std,
+                              "fallback_s": x_s if history else d_s})
         rows.append({"n": n, "history": history, "alpha": alpha, "layers": len(layers),
                      "dense_s": dense, "split_s": split, "select_s": select,
                      "vslash_s": sparse,
                      "speedup": dense / (select + sparse), "density": dens,
-                     "max_density": max_density, "serving_s": serving,
-                     "serving_ratio": serving / dense, "per_layer": per_layer})
+                     "max_density": max_density, "skip_density": skip_density,
+                     "serving_s": serving, "serving_ratio": serving / dense,
+                     "steady_s": steady, "steady_ratio": steady / dense,
+                     "per_layer": per_layer})
     return rows
+
+
+DENSITY_BINS = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 1.0)
+
+
+def break_even(per_layer: list[dict]) -> list[dict]:
+    """Per density bin, the mean of ``(select + vslash) / fallback`` (does selecting
+    pay?) and ``vslash / fallback`` (once selected, do the lines pay?): where they
+    cross 1 are ``--spec-prefill-skip-density`` and ``--spec-prefill-max-density``."""
+    out = []
+    for lo, hi in zip(DENSITY_BINS, DENSITY_BINS[1:]):
+        got = [p for p in per_layer if lo <= p["density"] < hi]
+        if got:
+            out.append({"lo": lo, "hi": hi, "layers": len(got),
+                        "select_vslash": statistics.mean(
+                            (p["select_s"] + p["vslash_s"]) / p["fallback_s"] for p in got),
+                        "vslash": statistics.mean(p["vslash_s"] / p["fallback_s"] for p in got)})
+    return out
 
 
 def reuse(layers: list[dict], boundary: int, alpha: float, repeats: int) -> list[dict]:
@@ -179,21 +211,28 @@ def main_qk(args) -> None:
         for i, lay in zip(picked, layers):
             lay.setdefault("layer", i)
         rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats,
-                         args.max_density)
+                         args.max_density, args.skip_density)
         print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
               f"{torch.get_num_threads()} threads, median of {args.repeats}")
         print(f"{'n':>6} {'dense s':>8} {'split s':>8} {'select s':>9} {'vslash s':>9} "
-              f"{'speedup':>8} {'density':>8} {'serving s':>10} {'serving/dense':>14}")
+              f"{'speedup':>8} {'density':>8} {'serving s':>10} {'serving/dense':>14} "
+              f"{'steady s':>9} {'steady/dense':>13}")
         for r in rows:
             print(f"{r['n']:6d} {r['dense_s']:8.3f} {r['split_s']:8.3f} {r['select_s']:9.3f} "
                   f"{r['vslash_s']:9.3f} {r['speedup']:7.2f}x {r['density']:8.3f} "
-                  f"{r['serving_s']:10.3f} {r['serving_ratio']:13.2f}x")
+                  f"{r['serving_s']:10.3f} {r['serving_ratio']:13.2f}x "
+                  f"{r['steady_s']:9.3f} {r['steady_ratio']:12.2f}x")
             if args.per_layer:
                 for p in r["per_layer"]:
                     print(f"    layer {p['layer']:>2} density {p['density']:.2f} dense "
-                          f"{p['dense_s']:.3f} select {p['select_s']:.3f} vslash "
-                          f"{p['vslash_s']:.3f} (select+vslash)/dense "
-                          f"{(p['select_s'] + p['vslash_s']) / p['dense_s']:.2f}")
+                          f"{p['dense_s']:.3f} fallback {p['fallback_s']:.3f} select "
+                          f"{p['select_s']:.3f} vslash {p['vslash_s']:.3f} "
+                          f"(select+vslash)/fallback "
+                          f"{(p['select_s'] + p['vslash_s']) / p['fallback_s']:.2f}")
+                print("    density bin: (select+vslash)/fallback, vslash/fallback")
+                for b in break_even(r["per_layer"]):
+                    print(f"    [{b['lo']:.2f}, {b['hi']:.2f}) {b['layers']:3d} layers: "
+                          f"{b['select_vslash']:.2f}, {b['vslash']:.2f}")
     else:
         rows = reuse(layers, data["turn_boundary"], args.alpha, args.repeats)
         print(f"reuse: layers {picked}, turn 2 = {rows[0]['n']} tokens over "
@@ -229,7 +268,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alpha", type=float, default=0.955, help="with --qk: selection alpha")
     ap.add_argument("--max-density", type=float, default=0.3,
                     help="with --crossover: the serving rule's --spec-prefill-max-density")
-    ap.add_argument("--per-layer", action="store_true", help="with --crossover: each layer")
+    ap.add_argument("--skip-density", type=float, default=0.2,
+                    help="with --crossover: the serving rule's --spec-prefill-skip-density")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="with --crossover: each layer, and the break-even per density bin")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

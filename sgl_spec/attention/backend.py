@@ -287,10 +287,11 @@ def create_sparse_prefill(runner: "ModelRunner", cfg) -> "SparsePrefill":
     prefill = SparsePrefill(
         select, cfg.prefill_min_tokens, runner.model_config.num_hidden_layers,
         store=LineStore() if cfg.prefill_reuse else None, metrics=metrics,
-        max_density=cfg.prefill_max_density,
+        max_density=cfg.prefill_max_density, skip_density=cfg.prefill_skip_density,
     )
-    logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s, max density %s",
-                select, cfg.prefill_min_tokens, cfg.prefill_reuse, cfg.prefill_max_density)
+    logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s, max density %s, "
+                "skip density %s", select, cfg.prefill_min_tokens, cfg.prefill_reuse,
+                cfg.prefill_max_density, cfg.prefill_skip_density)
     return prefill
 
 

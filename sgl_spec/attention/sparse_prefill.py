@@ -40,14 +40,21 @@ from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 
 logger = logging.getLogger(__name__)
 
-# A layer whose selected lines cover more than this share of the causal cells runs
-# the dense path instead: above it the line kernel plus the selection cost about
-# as much as dense attention on this CPU (the default model's 6k prompt, 2048 new
-# tokens over 4096 cached, 2 threads, ``kernels.vslash.bench --crossover 2048
-# --history 4096 --per-layer``: select + attend 0.26-0.71x dense at density
-# 0.02-0.23, 0.91x at 0.28, 1.70x at 0.64). A layer that came out too dense skips
-# its selection in the next extends and re-selects every REPROBE_EVERY-th one.
+# Two per-layer thresholds on the selected density (cells / causal cells), from
+# ``kernels.vslash.bench --qk FILE --crossover 4096 --per-layer`` and
+# ``--crossover 2048 --history 4096 --per-layer`` on the default model's 6k prompt
+# (2 threads), which print both break-evens against the dense path a layer falls
+# back to:
+# * MAX_DENSITY: with the selection already paid, the line kernel beats the dense
+#   call up to about 0.3 (vslash / dense 0.7-0.9 at 0.2-0.3, above 1 past 0.3);
+#   a denser layer makes the dense call this extend.
+# * SKIP_DENSITY: selection + lines beat the dense call only up to about 0.2
+#   ((select + vslash) / dense 0.8-0.9 at 0.15-0.2, 1.05-1.15 at 0.2-0.25); a layer
+#   denser than that skips its selection in the next extends and makes the dense
+#   call, re-selecting every REPROBE_EVERY-th extend (attention patterns are a
+#   property of the layer far more than of the prompt).
 MAX_DENSITY = 0.3
+SKIP_DENSITY = 0.2
 REPROBE_EVERY = 8
 
 
@@ -118,6 +125,7 @@ class SparsePrefill:
         store: LineStore | None = None,  # None: no reuse across turns
         metrics: Metrics | None = None,
         max_density: float = MAX_DENSITY,
+        skip_density: float = SKIP_DENSITY,
     ):
         if min_tokens < 1 or num_layers < 1:
             raise ValueError(
@@ -131,9 +139,12 @@ class SparsePrefill:
         if not 0 < max_density <= 1:
             raise ValueError(f"max_density must be in (0, 1], got {max_density}")
         self.max_density = max_density
+        if not 0 < skip_density <= 1:
+            raise ValueError(f"skip_density must be in (0, 1], got {skip_density}")
+        self.skip_density = skip_density
         self.stats = PrefillStats()
         self._turns: dict[int, _Turn] = {}  # batch index -> state, this pass
-        # layer -> consecutive extends whose selection came out denser than max_density
+        # layer -> consecutive extends whose selection came out denser than skip_density
         self._over: dict[int, int] = {}
 
     def begin_pass(self, extend_lens: Sequence[int] | None) -> None:
@@ -171,7 +182,7 @@ class SparsePrefill:
         st = self.stats.layers.setdefault(layer, LayerStats())
         over = self._over.get(layer, 0)
         if exact is not None and over % REPROBE_EVERY:
-            # Too dense last time: skip the selection too, re-select every REPROBE_EVERY.
+            # Too dense last time: skip the selection, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
             st.dense += 1
             out = _dense(q, k, v, history_len, scale, exact)
@@ -183,12 +194,11 @@ class SparsePrefill:
         lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
         t1 = time.perf_counter()
         dens = float(density(lines, q.shape[0], history_len).mean())
+        self._over[layer] = over + 1 if exact is not None and dens > self.skip_density else 0
         if exact is not None and dens > self.max_density:
-            self._over[layer] = over + 1
             st.dense += 1
             out = _dense(q, k, v, history_len, scale, exact)
         else:
-            self._over[layer] = 0
             out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
         t2 = time.perf_counter()
         st.extends += 1

@@ -51,9 +51,10 @@ CONFIGS: tuple[ServerConfig, ...] = (
     # densely (exact's call on a fresh extend, the fused history + causal split
     # over a prefix) and selects only on re-probes. What the rows above gain beyond
     # this one is the lines' own saving.
-    ServerConfig("loopserve-prefill, no lines (max-density 1e-6)", "sgl_spec",
+    ServerConfig("loopserve-prefill, no lines (max/skip density 1e-6)", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98",
-                  "--spec-prefill-max-density", "1e-6")),
+                  "--spec-prefill-max-density", "1e-6",
+                  "--spec-prefill-skip-density", "1e-6")),
 )
 SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)  # after configset.COMMON_FLAGS
 PNG = "prefill_ttft.png"
