@@ -290,14 +290,15 @@ def test_sparse_prefill_config_set_rows():
 
     cs = configset.load(os.path.join(configset.CONFIG_DIR, "sparse-prefill.toml"))
     names = [c.name for c in cs.configs]
-    assert names == ["sgl_spec exact", "loopserve-prefill a=0.955", "loopserve-prefill a=0.98",
-                     "loopserve-prefill a=0.955 + loopserve decode B=1024"]
-    assert [c.reference for c in cs.configs] == [True, False, False, False]
+    assert names == ["sgl_spec exact", "loopserve-prefill a=0.955", "loopserve-prefill a=0.97",
+                     "loopserve-prefill a=0.98",
+                     "loopserve-prefill a=0.98 + loopserve decode B=1024"]
+    assert [c.reference for c in cs.configs] == [True, False, False, False, False]
     from sgl_spec.launch_server import split_argv
 
-    cfg, rest = split_argv(list(cs.configs[3].flags))
+    cfg, rest = split_argv(list(cs.configs[4].flags))
     assert rest == [] and (cfg.prefill, cfg.prefill_alpha, cfg.mode, cfg.budget) == (
-        "loopserve", 0.955, "loopserve", 1024)
+        "loopserve", 0.98, "loopserve", 1024)
 
 
 def test_prefill_metrics_count_paths_density_and_seeds():
