@@ -45,6 +45,8 @@ CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig(REFERENCE, "sgl_spec", ("--spec-prefill", "exact")),
     ServerConfig("loopserve-prefill a=0.955", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.955")),
+    ServerConfig("loopserve-prefill a=0.97", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.97")),
     ServerConfig("loopserve-prefill a=0.98", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98")),
     # The attribution row: every layer is "too dense", so the sparse path attends
