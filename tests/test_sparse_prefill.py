@@ -80,14 +80,22 @@ def test_below_min_tokens_is_bit_identical_to_exact():
     assert not sp.stats.layers
 
 
+def _count_selections(monkeypatch) -> list:
+    """Patch the prefill's select_lines to record each call; returns the record."""
+    from sgl_spec.attention import sparse_prefill as mod
+
+    calls = []
+    monkeypatch.setattr(mod, "select_lines",
+                        lambda *a, **k: calls.append(1) or select_lines(*a, **k))
+    return calls
+
+
 def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(monkeypatch):
     from sgl_spec.attention import sparse_prefill as mod
 
     batch = _make_batch([30], [40], heads=6, kv_heads=2, dim=16)
     dense = _extend(_backend(None), batch)
-    calls = []
-    real = mod.select_lines
-    monkeypatch.setattr(mod, "select_lines", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_selections(monkeypatch)
     ended = []  # observe_extend calls: every extend ends, skipped last layer or not
 
     class Metrics:
@@ -119,19 +127,15 @@ def test_too_dense_layers_make_the_dense_call_and_skip_selection_until_reprobe(m
 
 def test_layers_above_skip_density_attend_their_lines_then_skip_selection(monkeypatch):
     """Selection paid: lines up to max_density; the next extends skip selection."""
-    from sgl_spec.attention import sparse_prefill as mod
-
     batch = _make_batch([30], [40], heads=6, kv_heads=2, dim=16)
     dense = _extend(_backend(None), batch)
-    calls = []
-    real = mod.select_lines
-    monkeypatch.setattr(mod, "select_lines", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = _count_selections(monkeypatch)
     sp = SparsePrefill(CFG, min_tokens=16, num_layers=1, max_density=1.0, skip_density=1e-6)
     sp.begin_pass([40])
     first = _extend(_backend(sp), batch)
     slots = batch["req_to_token"][batch["req_pool_indices"][0], :70]
     k, v = batch["k_cache"][slots], batch["v_cache"][slots]
-    lines = real(batch["query"], k, 30, CFG, SCALE)
+    lines = select_lines(batch["query"], k, 30, CFG, SCALE)
     want = vslash_attention_ref(batch["query"], k, v, lines, 30, SCALE)
     torch.testing.assert_close(first, want.to(first.dtype), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(first, dense, rtol=1e-4, atol=1e-5)  # the lines, not dense
