@@ -46,13 +46,12 @@ logger = logging.getLogger(__name__)
 # (2 threads), which print both break-evens against the dense path a layer falls
 # back to:
 # * MAX_DENSITY: with the selection already paid, the line kernel beats the dense
-#   call up to about 0.3 (vslash / dense 0.7-0.9 at 0.2-0.3, above 1 past 0.3);
-#   a denser layer makes the dense call this extend.
+#   call up to about 0.3 (vslash / dense 0.4-0.75 at 0.1-0.25, 0.7-1.0 at 0.25-0.4,
+#   alpha 0.955 and 0.98); a denser layer makes the dense call this extend.
 # * SKIP_DENSITY: selection + lines beat the dense call only up to about 0.2
-#   ((select + vslash) / dense 0.8-0.9 at 0.15-0.2, 1.05-1.15 at 0.2-0.25); a layer
-#   denser than that skips its selection in the next extends and makes the dense
-#   call, re-selecting every REPROBE_EVERY-th extend (attention patterns are a
-#   property of the layer far more than of the prompt).
+#   ((select + vslash) / dense 0.76-0.98 at 0.15-0.2, 0.77-1.13 and mostly above 1
+#   at 0.2-0.25); a layer denser than that skips its selection in the next extends
+#   and makes the dense call, re-selecting every REPROBE_EVERY-th extend.
 MAX_DENSITY = 0.3
 SKIP_DENSITY = 0.2
 REPROBE_EVERY = 8
