@@ -64,27 +64,14 @@ class SpecConfig:
                 f"--spec-prefill {self.prefill!r} is invalid; valid values: "
                 f"{', '.join(PREFILL_MODES)}"
             )
-        alpha = self.prefill_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
-            raise ValueError(
-                f"--spec-prefill-alpha {alpha!r} is invalid; valid range: a number in (0, 1]"
-            )
+        _check_fraction("--spec-prefill-alpha", self.prefill_alpha)
         n = self.prefill_min_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(
                 f"--spec-prefill-min-tokens {n!r} is invalid; valid range: integers >= 1"
             )
-        dmax = self.prefill_max_density
-        if isinstance(dmax, bool) or not isinstance(dmax, (int, float)) or not 0.0 < dmax <= 1.0:
-            raise ValueError(
-                f"--spec-prefill-max-density {dmax!r} is invalid; valid range: a number in (0, 1]"
-            )
-        dskip = self.prefill_skip_density
-        if isinstance(dskip, bool) or not isinstance(dskip, (int, float)) or not 0.0 < dskip <= 1.0:
-            raise ValueError(
-                f"--spec-prefill-skip-density {dskip!r} is invalid; valid range: a number in "
-                "(0, 1]"
-            )
+        _check_fraction("--spec-prefill-max-density", self.prefill_max_density)
+        _check_fraction("--spec-prefill-skip-density", self.prefill_skip_density)
 
     def sparse_params(self) -> SparseParams:
         """The selection policies' parameters (the one place they are validated)."""
@@ -122,6 +109,12 @@ _SPARSE_HELP = {
     "min_context": "Sparse modes: histories shorter than this decode exactly (as "
     "do histories that budget + sink + window cover).",
 }
+
+
+def _check_fraction(flag: str, value) -> None:
+    """Raise a ValueError naming ``flag`` unless ``value`` is a number in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{flag} {value!r} is invalid; valid range: a number in (0, 1]")
 
 
 def _float_or_text(text: str) -> float | str:
