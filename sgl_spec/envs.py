@@ -16,6 +16,9 @@ SGLSPEC_PLATFORM = "SGLSPEC_PLATFORM"
 # JSON of sgl_spec.config.SpecConfig, written by sgl_spec.launch_server so that
 # sglang's spawned scheduler processes see the user's --spec-* flags.
 SGLSPEC_CONFIG = "SGLSPEC_CONFIG"
+# "auto" (build the CPU slash kernel on first use, fall back to torch ops if that
+# fails), "0" (never: the torch path) or "1" (a failed build raises).
+SGLSPEC_VSLASH_CPU_KERNEL = "SGLSPEC_VSLASH_CPU_KERNEL"
 # Where prepared models live (default: $XDG_CACHE_HOME/sgl_spec or ~/.cache/sgl_spec).
 SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
 
@@ -25,6 +28,15 @@ def platform_override() -> str:
     if value not in ("auto", "cpu", "cuda"):
         raise ValueError(
             f"{SGLSPEC_PLATFORM}={value!r} is invalid; valid values: auto, cpu, cuda"
+        )
+    return value
+
+
+def vslash_cpu_kernel() -> str:
+    value = os.environ.get(SGLSPEC_VSLASH_CPU_KERNEL, "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ValueError(
+            f"{SGLSPEC_VSLASH_CPU_KERNEL}={value!r} is invalid; valid values: auto, 0, 1"
         )
     return value
 

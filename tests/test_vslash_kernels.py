@@ -32,6 +32,7 @@ from sgl_spec.kernels.vslash import (
     select_lines,
     vslash_attention,
 )
+from sgl_spec.kernels.vslash import cpu_kernel
 from sgl_spec.kernels.vslash.index import build_index, visit_counts
 from sgl_spec.kernels.vslash.reference import line_mask, vslash_attention_ref
 from sgl_spec.kernels.vslash.select import sampled_attention
@@ -151,16 +152,22 @@ LINE_CASES = [(kind, "per_kv_head") for kind in LINE_KINDS] + [
 ]
 
 
+# The torch impl's two CPU paths: the C++ slash kernel (slashes + in-block verticals)
+# with one fused call for the other verticals, and torch ops only (three parts).
+CPU_PATHS = {"cpp": True, "torch_ops": False}
+
+
+@pytest.mark.parametrize("path", list(CPU_PATHS))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("kind, per", LINE_CASES, ids=[f"{k}-{p}" for k, p in LINE_CASES])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_torch_matches_reference(shape, kind, per, dtype):
+def test_torch_matches_reference(shape, kind, per, dtype, path):
     n, hist, hq, hkv, d = SHAPES[shape]
     dt = DTYPES[dtype]
     q, k, v = make_qkv(n, hist, hq, hkv, d, dt)
     lines = make_lines_kind(kind, hkv if per == "per_kv_head" else hq, n, hist)
     # Small chunks so several row chunks (and a ragged last one) are exercised.
-    out = get_impl("torch")(q, k, v, lines, hist, chunk=48)
+    out = get_impl("torch")(q, k, v, lines, hist, chunk=48, slash_kernel=CPU_PATHS[path])
     ref = vslash_attention_ref(q.double(), k.double(), v.double(), lines, hist)
     assert out.dtype == dt and out.shape == q.shape
     assert rel_err(out, ref) <= TOL[dt]
@@ -183,6 +190,77 @@ def test_dense_lines_equal_causal_attention(shape):
     ):
         assert rel_err(vslash_attention_ref(q, k, v, lines, hist), sdpa) < 1e-12
         assert rel_err(vslash_attention(q.float(), k.float(), v.float(), lines, hist), sdpa) < 1e-5
+
+
+def test_cpu_slash_kernel_builds_and_is_the_default():
+    """The C++ kernel builds on this machine (g++ and ninja, pyproject's ``ninja``) and
+    the torch impl takes it by default for the head dims it is instantiated for."""
+    assert cpu_kernel.load_kernel() is not None
+    q, _, _ = make_qkv(4, 4, 2, 1, 64, torch.float32)
+    assert cpu_kernel.supported(q, 64, 2)
+    assert not cpu_kernel.supported(q, 48, 2)  # not a multiple of 16 lanes
+    assert not cpu_kernel.supported(q, 64, 9)  # more query heads per line head than built
+
+
+def test_cpu_slash_kernel_off_by_env(monkeypatch):
+    monkeypatch.setenv("SGLSPEC_VSLASH_CPU_KERNEL", "0")
+    assert cpu_kernel.load_kernel() is None
+    q, k, v = make_qkv(20, 10, 2, 1, 64, torch.float32)
+    lines = make_lines_kind("mixed", 1, 20, 10)
+    with pytest.raises(ValueError, match="CPU slash kernel takes CPU tensors"):
+        get_impl("torch")(q, k, v, lines, 10, slash_kernel=True)
+    out = get_impl("torch")(q, k, v, lines, 10)  # auto: the torch-ops path
+    ref = vslash_attention_ref(q.double(), k.double(), v.double(), lines, 10)
+    assert rel_err(out, ref) <= TOL[torch.float32]
+    monkeypatch.setenv("SGLSPEC_VSLASH_CPU_KERNEL", "yes")
+    with pytest.raises(ValueError, match="valid values: auto, 0, 1"):
+        cpu_kernel.load_kernel()
+
+
+def test_cpu_slash_kernel_rejects_bad_inputs():
+    mod = cpu_kernel.load_kernel()
+    q = torch.zeros(2, 4, 64)
+    k = v = torch.zeros(10, 64)
+    owned = torch.zeros(10, dtype=torch.uint8)
+    none = torch.zeros(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="rows past the last key"):
+        mod.slash_attention(q, k, v, owned, torch.tensor([0]), none, 7)
+    with pytest.raises(RuntimeError, match="k, v: fp32"):
+        mod.slash_attention(q, k.bfloat16(), v.bfloat16(), owned, torch.tensor([0]), none, 0)
+    with pytest.raises(RuntimeError, match="tail column out of range"):
+        mod.slash_attention(q, k, v, owned, none, torch.tensor([10]), 0)
+    with pytest.raises(RuntimeError, match=r"head_dim in \{16, 32, 64, 128\}"):
+        mod.slash_attention(torch.zeros(2, 4, 48), torch.zeros(10, 48), torch.zeros(10, 48),
+                            owned, torch.tensor([0]), none, 0)
+
+
+def test_cpu_slash_kernel_part_matches_masked_softmax():
+    """The kernel's own contract: per row, softmax over its slash cells minus owned
+    columns plus its tail columns, with the row's lse; empty rows 0 and -inf."""
+    g = torch.Generator().manual_seed(3)
+    lg, rows, d, num_keys, p0 = 3, 37, 64, 90, 50
+    q = torch.randn(lg, rows, d, generator=g)
+    k, v = torch.randn(num_keys, d, generator=g), torch.randn(num_keys, d, generator=g)
+    owned = torch.zeros(num_keys, dtype=torch.bool)
+    owned[[5, 20, 51, 60, 70]] = True
+    slash = torch.tensor([0, 1, 3, 30, 45, 80])
+    tail = torch.tensor([51, 60, 70])  # owned columns inside the rows' span
+    out, lse = cpu_kernel.slash_attention(q, cpu_kernel.SlashInputs(k, v, owned), slash, tail,
+                                          p0, 1.0)
+    pos = torch.arange(p0, p0 + rows)[:, None]
+    cols = torch.arange(num_keys)[None, :]
+    on_slash = torch.isin(pos - cols, slash) & (cols <= pos) & ~owned[None]
+    cells = on_slash | (torch.isin(cols, tail) & (cols <= pos))
+    s = torch.einsum("hrd,kd->hrk", q.double(), k.double()).masked_fill(~cells, float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    ref = torch.einsum("hrk,kd->hrd", torch.softmax(s, -1), v.double())
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    empty_q = torch.zeros(1, 2, d)
+    out, lse = cpu_kernel.slash_attention(empty_q, cpu_kernel.SlashInputs(k, v, owned),
+                                          torch.tensor([60]), torch.zeros(0, dtype=torch.long),
+                                          10, 1.0)  # offset 60 > every row's position
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isinf(lse).all())
 
 
 def test_rows_without_cells_are_zero():

@@ -24,6 +24,9 @@ prefill's calls) and the serving path itself (``SparsePrefill.extend``);
 the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s default.
 ``--reuse``: the chat's second turn selected with and without the first turn's
 lines as seeds: selection time, density and recovered mass (full attention).
+
+The line kernel is the torch impl's: the C++ slash kernel where it builds
+(``cpu_kernel.py``), torch ops only with ``SGLSPEC_VSLASH_CPU_KERNEL=0``.
 """
 
 from __future__ import annotations
@@ -210,10 +213,15 @@ def main_qk(args) -> None:
     if args.crossover:
         for i, lay in zip(picked, layers):
             lay.setdefault("layer", i)
+        from .cpu_kernel import load_kernel
+
+        kernel = "cpp" if load_kernel() is not None else "torch ops"
+        max_d, skip_d = args.max_density, args.skip_density
         rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats,
-                         args.max_density, args.skip_density)
+                         max_d, skip_d)
         print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
-              f"{torch.get_num_threads()} threads, median of {args.repeats}")
+              f"{torch.get_num_threads()} threads, median of {args.repeats}, line kernel "
+              f"{kernel}, max density {max_d}, skip density {skip_d}")
         print(f"{'n':>6} {'dense s':>8} {'split s':>8} {'select s':>9} {'vslash s':>9} "
               f"{'speedup':>8} {'density':>8} {'serving s':>10} {'serving/dense':>14} "
               f"{'steady s':>9} {'steady/dense':>13}")

@@ -22,6 +22,13 @@ computed the cheapest way on a CPU:
   probability-weighted value rows without materialising them. Cells on a selected
   vertical belong to the other parts and are masked here.
 
+With the C++ slash kernel (``cpu_kernel.py``, built on first use; the default on a
+CPU where it builds) a row block has two parts only: the verticals at or before its
+first row, which every row sees, in one unmasked fused call over the gathered
+columns; and in the kernel every slash cell (band included) not on a selected
+vertical, plus the verticals inside the block, causal per row. The three-part split
+above is the path where the kernel is off or cannot be built.
+
 The fused calls are ``_scaled_dot_product_flash_attention_for_cpu`` on the CPU
 (SDPA's flash kernel: dense-SDPA speed per computed cell, and it returns the row
 log-sum-exp), an fp32 masked softmax in torch ops elsewhere. The parts are merged
@@ -42,6 +49,7 @@ import warnings
 import torch
 from torch.nn.functional import embedding_bag
 
+from . import cpu_kernel
 from .lines import LineSet, check_inputs, line_bitmaps
 
 FAR_CELL_COST = 4.0  # SDDMM far-slash cell / fused rectangle cell, measured on CPU
@@ -219,6 +227,7 @@ def vslash_attention_torch(
     sub_rows: int = SUB_ROWS,  # rows per near-part rectangle
     max_chunk_cells: int = 1 << 22,  # rows * far slashes per block, at most (memory)
     out: torch.Tensor | None = None,  # [n, Hq, D], q.dtype, written if given
+    slash_kernel: bool | None = None,  # the C++ slash kernel; None: where it is available
 ) -> torch.Tensor:  # [n, Hq, D], q.dtype
     """Softmax attention over exactly the selected cells, on q's device."""
     dims = check_inputs(q, k, v, lines, history_len)
@@ -234,6 +243,19 @@ def vslash_attention_torch(
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)}")
     is_v_all, is_s_all = line_bitmaps(lines, num_keys, dev)  # [H_l, K]
+    if slash_kernel is None:
+        slash_kernel = cpu_kernel.supported(q, dims.head_dim, lg)
+    elif slash_kernel and not cpu_kernel.supported(q, dims.head_dim, lg):
+        raise ValueError(
+            f"the CPU slash kernel takes CPU tensors, head_dim in {cpu_kernel.HEAD_DIMS} and "
+            f"1..{cpu_kernel.MAX_LINE_GROUP} query heads per line head, and must build; got "
+            f"{q.device.type}, head_dim {dims.head_dim}, {lg} per line head"
+        )
+    if slash_kernel:
+        for lh in range(lines.num_heads):
+            _two_parts(q, k, v, lines, lh, lg, dims.group, is_v_all[lh], history_len,
+                       scale, chunk, out)
+        return out
     for lh in range(lines.num_heads):
         heads = slice(lh * lg, (lh + 1) * lg)  # this line head's query heads
         kvh = lh * lg // dims.group
@@ -280,6 +302,36 @@ def vslash_attention_torch(
                 parts.append((o_f, lse_f))
             out[r0:r1, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
     return out
+
+
+def _two_parts(q, k, v, lines, lh, lg, group, is_v, history_len, scale, chunk, out):
+    """One line head with the C++ slash kernel, per row block ``p0..p1``: the kernel
+    takes the slashes and the verticals inside the block (causal per row); one
+    unmasked fused call takes the verticals ``<= p0``, which every row sees."""
+    n = q.shape[0]
+    heads = slice(lh * lg, (lh + 1) * lg)
+    kvh = lh * lg // group
+    kh, vh = k[:, kvh], v[:, kvh]
+    slash, vert = lines.slash[lh], lines.vertical[lh]
+    inputs = cpu_kernel.SlashInputs(kh, vh, is_v)
+    k_v, v_v = kh[vert][None], vh[vert][None]  # [1, n_v, D]: a block uses a prefix
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        p0, p1 = history_len + r0, history_len + r1 - 1
+        qb = q[r0:r1, heads].transpose(0, 1)  # [lg, R, D]
+        parts = []
+        nv = int(torch.searchsorted(vert, p0, right=True))  # columns every row sees
+        if nv:
+            o, lse = fused_attention(qb[None], k_v[:, :nv], v_v[:, :nv], None, scale)
+            parts.append((o[0], lse[0]))
+        ns = int(torch.searchsorted(slash, p1, right=True))  # offsets some row reaches
+        tail = vert[nv:int(torch.searchsorted(vert, p1, right=True))]
+        if ns or tail.numel():
+            parts.append(cpu_kernel.slash_attention(qb, inputs, slash[:ns], tail, p0, scale))
+        if parts:
+            out[r0:r1, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
+        else:  # no selected cell in any row of the block
+            out[r0:r1, heads] = 0
 
 
 def dense_attention_torch(

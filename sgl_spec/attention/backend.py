@@ -284,14 +284,21 @@ def create_sparse_prefill(runner: "ModelRunner", cfg) -> "SparsePrefill":
 
         metrics = PrefillMetrics()
     select = SelectConfig(alpha=cfg.prefill_alpha)
+    kernel = "torch ops"
+    if str(getattr(runner, "device", "cpu")).startswith("cpu"):
+        from sgl_spec.kernels.vslash import cpu_kernel
+
+        # Build (or load) the C++ slash kernel now, not inside the first long prefill.
+        if cpu_kernel.load_kernel() is not None:
+            kernel = "cpp"
     prefill = SparsePrefill(
         select, cfg.prefill_min_tokens, runner.model_config.num_hidden_layers,
         store=LineStore() if cfg.prefill_reuse else None, metrics=metrics,
         max_density=cfg.prefill_max_density, skip_density=cfg.prefill_skip_density,
     )
     logger.info("sgl_spec sparse prefill: %s, min tokens %d, reuse %s, max density %s, "
-                "skip density %s", select, cfg.prefill_min_tokens, cfg.prefill_reuse,
-                cfg.prefill_max_density, cfg.prefill_skip_density)
+                "skip density %s, CPU line kernel: %s", select, cfg.prefill_min_tokens,
+                cfg.prefill_reuse, cfg.prefill_max_density, cfg.prefill_skip_density, kernel)
     return prefill
 
 

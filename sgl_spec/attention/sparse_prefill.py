@@ -40,18 +40,20 @@ from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 
 logger = logging.getLogger(__name__)
 
-# Two per-layer thresholds on the selected density (cells / causal cells), from
-# ``kernels.vslash.bench --qk FILE --crossover 4096 --per-layer`` and
-# ``--crossover 2048 --history 4096 --per-layer`` on the default model's 6k prompt
-# (2 threads), which print both break-evens against the dense path a layer falls
-# back to:
-# * MAX_DENSITY: with the selection already paid, the line kernel beats the dense
-#   call up to about 0.3 (vslash / dense 0.4-0.75 at 0.1-0.25, 0.7-1.0 at 0.25-0.4,
-#   alpha 0.955 and 0.98); a denser layer makes the dense call this extend.
-# * SKIP_DENSITY: selection + lines beat the dense call only up to about 0.2
-#   ((select + vslash) / dense 0.76-0.98 at 0.15-0.2, 0.77-1.13 and mostly above 1
-#   at 0.2-0.25); a layer denser than that skips its selection in the next extends
-#   and makes the dense call, re-selecting every REPROBE_EVERY-th extend.
+# Two per-layer thresholds on the selected density (cells / causal cells):
+# * MAX_DENSITY: a layer whose lines cover more makes the dense call this extend;
+# * SKIP_DENSITY: a layer whose lines cover more skips its selection in the next
+#   extends and makes the dense call, re-selecting every REPROBE_EVERY-th extend.
+# Speed alone would allow more: ``kernels.vslash.bench --qk FILE --crossover 4096
+# --history 1024 --per-layer --max-density 1 --skip-density 1`` (and 2048 over 4096,
+# 4096 fresh) on the default model's 6k prompt puts the C++ slash kernel's break-evens
+# near 0.6 (vslash / dense 0.3-0.55 at density 0.2-0.4, 0.7-1.1 at 0.8) and, selection
+# included, 0.4 ((select + vslash) / dense 0.5-0.7 at 0.2-0.3, 0.65-0.95 at 0.3-0.4).
+# But with 0.6 / 0.4 the harness (sparse-prefill.toml) lost two of 18 questions at the
+# beginning at every alpha, 0.98 included: the layers selecting 0.2-0.6 of their cells
+# are the diffuse ones, where the uncovered mass is spread over many cells. With 0.3 /
+# 0.2 they attend densely, which kept accuracy (README). The torch-ops line path's own
+# break-evens are 0.3 and 0.2 as well.
 MAX_DENSITY = 0.3
 SKIP_DENSITY = 0.2
 REPROBE_EVERY = 8
