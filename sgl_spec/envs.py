@@ -23,22 +23,20 @@ SGLSPEC_VSLASH_CPU_KERNEL = "SGLSPEC_VSLASH_CPU_KERNEL"
 SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
 
 
-def platform_override() -> str:
-    value = os.environ.get(SGLSPEC_PLATFORM, "auto").strip().lower()
-    if value not in ("auto", "cpu", "cuda"):
-        raise ValueError(
-            f"{SGLSPEC_PLATFORM}={value!r} is invalid; valid values: auto, cpu, cuda"
-        )
+def _choice(name: str, valid: tuple[str, ...]) -> str:
+    """The variable's value (default: the first valid one); ValueError lists the valid ones."""
+    value = os.environ.get(name, valid[0]).strip().lower()
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid; valid values: {', '.join(valid)}")
     return value
+
+
+def platform_override() -> str:
+    return _choice(SGLSPEC_PLATFORM, ("auto", "cpu", "cuda"))
 
 
 def vslash_cpu_kernel() -> str:
-    value = os.environ.get(SGLSPEC_VSLASH_CPU_KERNEL, "auto").strip().lower()
-    if value not in ("auto", "0", "1"):
-        raise ValueError(
-            f"{SGLSPEC_VSLASH_CPU_KERNEL}={value!r} is invalid; valid values: auto, 0, 1"
-        )
-    return value
+    return _choice(SGLSPEC_VSLASH_CPU_KERNEL, ("auto", "0", "1"))
 
 
 def spec_config_json() -> str | None:

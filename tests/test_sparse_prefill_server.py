@@ -58,7 +58,10 @@ class TestSparsePrefill:
         flags = ["--model-path", model_path, *COMMON_FLAGS]
         with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "exact")) as s:
             reference = {k: generate(s.url, p, 24) for k, p in prompts.items()}
-        sparse = flags + ["--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "256"]
+        # Alpha 0.98: the paper's default 0.955 loses planted facts on this 135M model
+        # (README, harness rows), so an answer-equality check needs the kept-accuracy alpha.
+        sparse = flags + ["--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "256",
+                          "--spec-prefill-alpha", "0.98"]
         with ServerProcess(SPEC, sparse,
                            log_path=_log_path(tmp_path_factory, "loopserve-prefill")) as s:
             yield s, prompts, reference

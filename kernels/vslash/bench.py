@@ -216,12 +216,11 @@ def main_qk(args) -> None:
         from .cpu_kernel import load_kernel
 
         kernel = "cpp" if load_kernel() is not None else "torch ops"
-        max_d, skip_d = args.max_density, args.skip_density
         rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats,
-                         max_d, skip_d)
+                         args.max_density, args.skip_density)
         print(f"crossover: layers {picked}, history {args.history}, alpha {args.alpha}, "
               f"{torch.get_num_threads()} threads, median of {args.repeats}, line kernel "
-              f"{kernel}, max density {max_d}, skip density {skip_d}")
+              f"{kernel}, max density {args.max_density}, skip density {args.skip_density}")
         print(f"{'n':>6} {'dense s':>8} {'split s':>8} {'select s':>9} {'vslash s':>9} "
               f"{'speedup':>8} {'density':>8} {'serving s':>10} {'serving/dense':>14} "
               f"{'steady s':>9} {'steady/dense':>13}")
