@@ -28,9 +28,15 @@ def chatml_tokens(hf_tok, role: str, content: str) -> int:
                              add_special_tokens=False))
 
 
-def check_four_rounds(summary: dict, hf_tok, system: str, turns, last_completion: int):
+def check_four_rounds(summary: dict, hf_tok, system: str, turns, last_completion: int,
+                      cut_by_length: bool):
     """The newest branch is the conversation: round 0 = system, rounds 1-4 =
-    (user, assistant) with ChatML token counts; the last answer is still open."""
+    (user, assistant) with ChatML token counts; the last answer is still open.
+
+    A stopped answer is cached through its stop token (<|im_end|>, counted as
+    output). An answer cut at max_tokens is cached without its last token: it
+    was sampled but never fed back, so it has no KV. Which one happens depends
+    on the random session string, so both must hold."""
     branch = summary["branches"][0]
     rounds = branch["rounds"]
     assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
@@ -43,7 +49,8 @@ def check_four_rounds(summary: dict, hf_tok, system: str, turns, last_completion
         if r["round"] < 4:
             assert r["turns"][1]["tokens"] == chatml_tokens(hf_tok, "assistant", answer)
     opener = len(hf_tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
-    assert rounds[4]["turns"][1]["tokens"] == opener + last_completion
+    cached = last_completion - 1 if cut_by_length else last_completion
+    assert rounds[4]["turns"][1]["tokens"] == opener + cached
 
 
 def test_endpoint_reports_chat_api_rounds(spec_server, hf_tok):
@@ -63,11 +70,12 @@ def test_endpoint_reports_chat_api_rounds(spec_server, hf_tok):
     s = cache_summary(spec_server.url)
     assert s["eviction_policy"] == "lru"
     assert set(s["turn_format"]["openers"]) == {"system", "user", "assistant", "tool"}
-    # The stop token <|im_end|> is cached with the answer and counted as output.
-    check_four_rounds(s, hf_tok, system, turns, r.usage.completion_tokens)
+    check_four_rounds(s, hf_tok, system, turns, r.usage.completion_tokens,
+                      r.choices[0].finish_reason == "length")
 
 
-def test_endpoint_reports_frontend_rounds(spec_server, hf_tok):
+@pytest.mark.parametrize("max_tokens", [2, 12])  # 2: every answer is cut by length
+def test_endpoint_reports_frontend_rounds(spec_server, hf_tok, max_tokens):
     import sglang as sgl
 
     system = f"You are terse. Session {uuid.uuid4().hex[:8]}."
@@ -77,12 +85,13 @@ def test_endpoint_reports_frontend_rounds(spec_server, hf_tok):
         s += sgl.system(system)
         for i, q in enumerate(QUESTIONS):
             s += sgl.user(q)
-            s += sgl.assistant(sgl.gen(f"a{i}", max_tokens=12, temperature=0))
+            s += sgl.assistant(sgl.gen(f"a{i}", max_tokens=max_tokens, temperature=0))
 
     state = four_rounds.run(backend=sgl.RuntimeEndpoint(spec_server.url))
     turns = [(q, state[f"a{i}"]) for i, q in enumerate(QUESTIONS)]
-    last = state.get_meta_info("a3")["completion_tokens"]
-    check_four_rounds(cache_summary(spec_server.url), hf_tok, system, turns, last)
+    meta = state.get_meta_info("a3")
+    check_four_rounds(cache_summary(spec_server.url), hf_tok, system, turns,
+                      meta["completion_tokens"], meta["finish_reason"]["type"] == "length")
 
 
 # ---- a reasoning-style conversation under --spec-cache-eviction turn -----------
