@@ -49,6 +49,11 @@ CONFIGS: tuple[ServerConfig, ...] = (
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.97")),
     ServerConfig("loopserve-prefill a=0.98", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98")),
+    # The threshold row: 1024-token turns (below the default --spec-prefill-min-tokens
+    # 2048) take the sparse path too, so the 1024 point says whether it would pay.
+    ServerConfig("loopserve-prefill a=0.98, min-tokens 512", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98",
+                  "--spec-prefill-min-tokens", "512")),
     # The attribution row: every layer is "too dense", so the sparse path attends
     # densely (exact's call on a fresh extend, the fused history + causal split
     # over a prefix) and selects only on re-probes. What the rows above gain beyond
