@@ -331,3 +331,31 @@ def test_prefill_metrics_count_paths_density_and_seeds():
     assert 0 < value("sgl_spec:sparse_prefill_density_sum") <= 1
     assert value("sgl_spec:sparse_prefill_select_seconds_total") > 0
     assert value("sgl_spec:sparse_prefill_seeded_extends_total") == 0
+
+
+def test_prefill_sweep_rows_and_rounds():
+    from sgl_spec.bench import prefill_sweep as sweep
+
+    rows = sweep.select_rows(["loopserve-prefill-a-0.98"])
+    assert [c.name for c in rows] == [sweep.REFERENCE, "loopserve-prefill a=0.98"]
+    assert sweep.select_rows(None) == sweep.CONFIGS
+    with pytest.raises(ValueError, match="valid choices: .*loopserve-prefill-a-0.97"):
+        sweep.select_rows(["a=0.98"])
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
+        sweep.SweepPlan(rounds=0)
+
+    def run(ttfts, sparse):
+        reqs = [{"ttft_s": t, "cached_tokens": 1024} for t in ttfts]
+        return {"name": "x", "peak_rss_bytes": 5, "log": "l", "points": {"1024": {
+            "tokens": 1024, "ttft_median_s": sorted(ttfts)[1], "cached_tokens_max": 1024,
+            "extends": {"sparse": sparse}, "requests": reqs}}}
+
+    pooled = sweep.pool_rounds([run([1.0, 2.0, 3.0], 1), run([4.0, 5.0, 6.0], 2)])
+    p = pooled["points"]["1024"]
+    assert p["ttft_median_s"] == 3.5 and p["round_medians_s"] == [2.0, 5.0]
+    assert p["extends"] == {"sparse": 3.0} and len(p["requests"]) == 6
+    ref = sweep.pool_rounds([run([1.0, 1.0, 1.0], 0), run([2.0, 2.0, 2.0], 0)])
+    configs = [{**ref, "name": sweep.REFERENCE}, {**pooled, "name": "loopserve-prefill a=0.98"}]
+    md = sweep.markdown({"configs": configs, "ratios": sweep.ratios(configs),
+                         "plan": {"lengths": [1024]}})
+    assert "| loopserve-prefill a=0.98 | 2.00 / 2.50 |" in md

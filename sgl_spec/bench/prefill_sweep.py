@@ -11,6 +11,12 @@ tokens (a different text per repeat, so nothing is cached) with
 against ``sgl_spec exact`` measured in the same run. Writes ``results.json``,
 ``results.md`` and ``prefill_ttft.png``.
 
+``--rounds R`` starts every row's server R times, interleaved (all rows, then all
+rows again): a server process can run a few percent faster or slower than the
+next one of the same code, so a single start per row cannot resolve a 5 %
+difference. A point's TTFT is then the median of the requests of all its rounds.
+``--rows`` times a subset (by slug; the reference is always kept).
+
 ``--history H``: each prompt is instead a new turn of N tokens after H tokens of
 conversation already in the radix cache (the chat a user pastes a document into):
 the first H tokens are sent and cached first, then the whole prompt is timed, so
@@ -73,6 +79,7 @@ class SweepPlan:
     repeats: int = 3
     seed: int = 0
     history: int = 0  # cached conversation tokens before each new turn
+    rounds: int = 1  # server starts per row, interleaved
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 16:
@@ -81,13 +88,47 @@ class SweepPlan:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if self.history < 0:
             raise ValueError(f"--history must be >= 0, got {self.history}")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.rounds}")
 
     @classmethod
     def preset(cls, quick: bool, repeats: int | None = None,
-               lengths: tuple[int, ...] | None = None, history: int = 0) -> SweepPlan:
+               lengths: tuple[int, ...] | None = None, history: int = 0,
+               rounds: int = 1) -> SweepPlan:
         default, r = ((1024, 4096), 1) if quick else ((1024, 2048, 4096, 6144), 3)
         return cls(lengths=tuple(lengths or default), repeats=r if repeats is None else repeats,
-                   history=history)
+                   history=history, rounds=rounds)
+
+
+def select_rows(slugs: list[str] | None) -> tuple[ServerConfig, ...]:
+    """``CONFIGS`` whose slug is listed (all if None), the reference always first."""
+    if not slugs:
+        return CONFIGS
+    valid = [c.slug for c in CONFIGS]
+    unknown = [s for s in slugs if s not in valid]
+    if unknown:
+        raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
+    return tuple(c for c in CONFIGS if c.name == REFERENCE or c.slug in slugs)
+
+
+def pool_rounds(runs: list[dict]) -> dict:
+    """One row's server runs (``run_config`` results, one per round) as one result:
+    per point, the requests of every round and their median."""
+    first = runs[0]
+    points = {}
+    for n, p in first["points"].items():
+        per_round = [r["points"][n] for r in runs]
+        reqs = [q for pr in per_round for q in pr["requests"]]
+        extends: dict[str, float] = {}
+        for pr in per_round:
+            for k, val in (pr["extends"] or {}).items():
+                extends[k] = extends.get(k, 0.0) + val
+        points[n] = {**p, "ttft_median_s": statistics.median(q["ttft_s"] for q in reqs),
+                     "round_medians_s": [pr["ttft_median_s"] for pr in per_round],
+                     "cached_tokens_max": max(pr["cached_tokens_max"] for pr in per_round),
+                     "extends": extends or None, "requests": reqs}
+    return {**first, "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs),
+            "logs": [r["log"] for r in runs], "points": points}
 
 
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
@@ -158,9 +199,10 @@ def measure(url: str, prompts: list[list[int]], history: int = 0) -> dict:
 
 
 def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, out_dir: str,
-               bar) -> dict:
+               bar, round_index: int = 0) -> dict:
     args = [*cfg.server_args(model), *SWEEP_FLAGS]
-    log = os.path.join(out_dir, f"server-{cfg.slug}.log")
+    suffix = f"-round{round_index + 1}" if plan.rounds > 1 else ""
+    log = os.path.join(out_dir, f"server-{cfg.slug}{suffix}.log")
     bar.set_description(f"{cfg.name}: starting")
     points: dict[str, dict] = {}
     with ServerProcess(cfg.module, args, log_path=log) as server:
@@ -206,6 +248,21 @@ def markdown(res: dict) -> str:
     for name, r in res["ratios"].items():
         lines.append(f"| {name} | " + " | ".join(
             f"{r[n]:.2f}" if n in r else "n/a" for n in lengths) + " |")
+    ref = next((c["points"] for c in configs if c["name"] == REFERENCE), None)
+    if ref and any("round_medians_s" in p for p in ref.values()):
+        lines += ["", "## Ratio per round (round medians, each vs the reference's same round)",
+                  "", "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+                  "|---" * (len(lengths) + 1) + "|"]
+        for c in configs:
+            if c["name"] == REFERENCE:
+                continue
+            cells = []
+            for n in lengths:
+                mine = c["points"].get(n, {}).get("round_medians_s")
+                theirs = ref.get(n, {}).get("round_medians_s")
+                cells.append("n/a" if not (mine and theirs) else " / ".join(
+                    f"{a / b:.2f}" for a, b in zip(mine, theirs)))
+            lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -242,10 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--history", type=int, default=0, metavar="H",
                     help="time a new turn after H cached conversation tokens (default 0: "
                          "a fresh prompt)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="start every row's server R times, interleaved, and pool the "
+                         "requests (default 1)")
+    ap.add_argument("--rows", nargs="+", metavar="SLUG",
+                    help="time only these rows (and the reference); valid: "
+                         + ", ".join(c.slug for c in CONFIGS))
     ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     args = ap.parse_args(argv)
     try:
-        plan = SweepPlan.preset(args.quick, args.repeats, args.lengths, args.history)
+        plan = SweepPlan.preset(args.quick, args.repeats, args.lengths, args.history,
+                                args.rounds)
+        rows = select_rows(args.rows)
     except ValueError as exc:
         ap.error(str(exc))
     from transformers import AutoTokenizer
@@ -257,14 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
-    configs = []
-    with tqdm(total=len(CONFIGS) * len(plan.lengths), unit="point", dynamic_ncols=True) as bar:
+    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
+    total = plan.rounds * len(rows) * len(plan.lengths)
+    with tqdm(total=total, unit="point", dynamic_ncols=True) as bar:
         try:
-            for cfg in CONFIGS:
-                configs.append(run_config(cfg, model, prompts, plan, args.out, bar))
+            for i in range(plan.rounds):
+                for cfg in rows:
+                    runs[cfg.name].append(
+                        run_config(cfg, model, prompts, plan, args.out, bar, i))
         except ServerStartError as exc:
             print(f"error: configuration {cfg.name!r}: {exc}")
             return 1
+    configs = [pool_rounds(r) if plan.rounds > 1 else r[0] for r in runs.values()]
     meta.update(duration_s=time.perf_counter() - t0,
                 load_average_after=provenance.load_average())
     res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs)}
