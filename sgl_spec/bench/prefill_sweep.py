@@ -60,6 +60,12 @@ CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig("loopserve-prefill a=0.98, min-tokens 512", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98",
                   "--spec-prefill-min-tokens", "512")),
+    # The reuse row: the same without seeding a turn's selection with the lines of
+    # the cached sequence (the 1024-token history above is a sparse extend, so the
+    # row above seeds every new turn).
+    ServerConfig("loopserve-prefill a=0.98, min-tokens 512, no reuse", "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.98",
+                  "--spec-prefill-min-tokens", "512", "--no-spec-prefill-reuse")),
     # The attribution row: every layer is "too dense", so the sparse path attends
     # densely (exact's call on a fresh extend, the fused history + causal split
     # over a prefix) and selects only on re-probes. What the rows above gain beyond
