@@ -44,3 +44,15 @@ def test_bad_plan_values_are_clean_errors(capsys):
         ds.main(["--out", "/tmp/x", "--histories", "1024", "--batches", "1", "--new-tokens",
                  "8", "--model-path", "/nonexistent"])
     assert exc.value.code == 2 and "is not a directory" in capsys.readouterr().err
+
+
+def test_rows_pick_a_subset_with_the_exact_reference(capsys):
+    rows = ds.configset.select_rows(ds.CONFIGS, ["loopserve-prefill-a-0.97"], ds.EXACT)
+    assert [c.name for c in rows] == [ds.EXACT, ds.PREFILL]
+    with pytest.raises(SystemExit) as exc:
+        ds.main(["--out", "/tmp/x", "--rows", "prefill"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "valid choices" in err and "loopserve-prefill-a-0.97" in err
+    configs = [{"name": ds.EXACT, "points": {"4096x1": _point(4096, 1, 5.0, 5.0)}},
+               {"name": ds.PREFILL, "points": {"4096x1": _point(4096, 1, 4.0, 4.0)}}]
+    assert ds.ratios(configs) == {f"{ds.PREFILL} / {ds.EXACT}": {"4096x1": 0.8}}

@@ -106,6 +106,19 @@ class ServerConfig:
         return "-".join(p for p in keep.split("-") if p)
 
 
+def select_rows(configs: tuple[ServerConfig, ...], slugs: list[str] | None,
+                keep: str) -> tuple[ServerConfig, ...]:
+    """A sweep's ``--rows``: the rows whose slug is listed (all if None), in their
+    order, always with the row named ``keep`` (the ratios' reference)."""
+    if not slugs:
+        return configs
+    valid = [c.slug for c in configs]
+    unknown = [s for s in slugs if s not in valid]
+    if unknown:
+        raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
+    return tuple(c for c in configs if c.name == keep or c.slug in slugs)
+
+
 @dataclass(frozen=True)
 class ConfigSet:
     """The rows, and optionally the plan they all play and per-row accuracy checks:

@@ -2,7 +2,8 @@
 
     python -m sgl_spec.bench.decode_sweep --out results/decode-sweep [--quick]
 
-One server at a time (``CONFIGS``). For each history length and batch size: flush
+One server at a time (``CONFIGS``, or the ``--rows`` picked; the last row decodes
+exactly after a LoopServe sparse prefill). For each history length and batch size: flush
 the cache, send each prompt once with ``max_new_tokens=1`` (its prefix is then
 cached, so prefill is excluded), then time streamed /generate requests of N new
 tokens (greedy, ``ignore_eos``). Per request, decode tok/s = (N - 1) / (latency -
@@ -31,21 +32,27 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from sgl_spec.bench import plots, provenance, sparse_counters
+from sgl_spec.bench import configset, plots, provenance, sparse_counters
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
 logger = logging.getLogger(__name__)
 
 LOOPSERVE = "loopserve B=1024"
+EXACT = "sgl_spec exact"
+PREFILL = "loopserve-prefill a=0.97"
 CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig("stock", "stock"),
-    ServerConfig("sgl_spec exact", "sgl_spec", ("--spec-mode", "exact")),
+    ServerConfig(EXACT, "sgl_spec", ("--spec-mode", "exact")),
     ServerConfig(LOOPSERVE, "sgl_spec", ("--spec-mode", "loopserve", "--spec-budget", "1024")),
+    # Exact decode after a sparse prefill (histories >= 2048 are prefilled on the
+    # lines): its decode must run as fast as sgl_spec exact's.
+    ServerConfig(PREFILL, "sgl_spec",
+                 ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.97")),
 )
 SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)
-RATIOS: tuple[tuple[str, str], ...] = ((LOOPSERVE, "stock"), (LOOPSERVE, "sgl_spec exact"),
-                                       ("sgl_spec exact", "stock"))
+RATIOS: tuple[tuple[str, str], ...] = ((LOOPSERVE, "stock"), (LOOPSERVE, EXACT),
+                                       (EXACT, "stock"), (PREFILL, EXACT))
 PNG = "decode_speed.png"
 # Tokens after the LATE_FROM-th: past loopserve's first selection (decode step 16,
 # the 17th token), the rate a long generation settles at; reported beside the rate
@@ -264,8 +271,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"batch sizes (default: {SweepPlan.batches})")
     ap.add_argument("--new-tokens", type=int, metavar="N",
                     help="tokens generated per request (default: 64; --quick 24)")
+    ap.add_argument("--rows", nargs="+", metavar="SLUG",
+                    help="time only these rows (and sgl_spec exact); valid: "
+                         + ", ".join(c.slug for c in CONFIGS))
     args = ap.parse_args(argv)
     try:
+        rows = configset.select_rows(CONFIGS, args.rows, EXACT)
         plan = SweepPlan.preset(args.quick, args.repeats)
         over = {k: v for k, v in (("histories", args.histories), ("batches", args.batches),
                                   ("new_tokens", args.new_tokens)) if v is not None}
@@ -283,10 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
     configs = []
-    with tqdm(total=len(CONFIGS) * len(plan.histories) * len(plan.batches), unit="point",
+    with tqdm(total=len(rows) * len(plan.histories) * len(plan.batches), unit="point",
               dynamic_ncols=True) as bar:
         try:
-            for cfg in CONFIGS:
+            for cfg in rows:
                 configs.append(run_config(cfg, model, prompts, plan, args.out, bar))
         except ServerStartError as exc:
             print(f"error: configuration {cfg.name!r}: {exc}")

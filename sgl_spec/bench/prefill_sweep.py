@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 import requests
 
 from sgl_spec.bench import provenance, sparse_counters
+from sgl_spec.bench import configset
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
@@ -107,14 +108,8 @@ class SweepPlan:
 
 
 def select_rows(slugs: list[str] | None) -> tuple[ServerConfig, ...]:
-    """``CONFIGS`` whose slug is listed (all if None), the reference always first."""
-    if not slugs:
-        return CONFIGS
-    valid = [c.slug for c in CONFIGS]
-    unknown = [s for s in slugs if s not in valid]
-    if unknown:
-        raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
-    return tuple(c for c in CONFIGS if c.name == REFERENCE or c.slug in slugs)
+    """``CONFIGS`` whose slug is listed (all if None), the reference always kept."""
+    return configset.select_rows(CONFIGS, slugs, REFERENCE)
 
 
 def pool_rounds(runs: list[dict]) -> dict:
