@@ -56,3 +56,23 @@ def test_rows_pick_a_subset_with_the_exact_reference(capsys):
     configs = [{"name": ds.EXACT, "points": {"4096x1": _point(4096, 1, 5.0, 5.0)}},
                {"name": ds.PREFILL, "points": {"4096x1": _point(4096, 1, 4.0, 4.0)}}]
     assert ds.ratios(configs) == {f"{ds.PREFILL} / {ds.EXACT}": {"4096x1": 0.8}}
+
+
+def test_server_starts_pool_their_repeats():
+    def run(rates):
+        rounds = [{"requests": [{"ttft_s": 1.0}], "aggregate_tok_s": r,
+                   "aggregate_late_tok_s": r} for r in rates]
+        return {"name": "x", "log": "l", "peak_rss_bytes": 1, "points": {"4096x1": {
+            "history": 4096, "batch": 1, "tok_s_median": sorted(rates)[1],
+            "decode_steps": {"sparse": 0.0, "exact": 3.0}, "rounds": rounds}}}
+
+    pooled = ds.pool_starts([run([1.0, 2.0, 3.0]), run([5.0, 6.0, 7.0])])
+    p = pooled["points"]["4096x1"]
+    assert p["tok_s_median"] == 4.0 and p["start_tok_s_medians"] == [2.0, 6.0]
+    assert p["decode_steps"] == {"sparse": 0.0, "exact": 6.0} and len(p["rounds"]) == 6
+    ref = ds.pool_starts([run([1.0, 1.0, 1.0]), run([2.0, 2.0, 2.0])])
+    configs = [{**ref, "name": ds.EXACT}, {**pooled, "name": ds.PREFILL}]
+    res = {**_res(), "configs": configs, "ratios": ds.ratios(configs), "late_ratios": None}
+    assert "| 4096 | 1 | 2.00 / 3.00 |" in ds.markdown(res)
+    with pytest.raises(SystemExit):
+        ds.main(["--out", "/tmp/x", "--rounds", "0"])

@@ -8,7 +8,9 @@ the cache, send each prompt once with ``max_new_tokens=1`` (its prefix is then
 cached, so prefill is excluded), then time streamed /generate requests of N new
 tokens (greedy, ``ignore_eos``). Per request, decode tok/s = (N - 1) / (latency -
 TTFT); a batch of 4 sends 4 different prompts of the same length at once and sums
-them. Medians over repeats. Writes ``results.json``, ``results.md`` (tok/s and the
+them. Medians over repeats; ``--rounds R`` starts each row's server R times,
+interleaved, and pools their repeats (one server process can decode a few
+percent faster or slower than the next). Writes ``results.json``, ``results.md`` (tok/s and the
 ratios of ``RATIOS``) and ``decode_speed.png``.
 
 Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only a
@@ -67,6 +69,7 @@ class SweepPlan:
     new_tokens: int = 64
     repeats: int = 3
     seed: int = 0
+    starts: int = 1  # server starts per row, interleaved (--rounds)
 
     def __post_init__(self) -> None:
         if not self.histories or min(self.histories) < 16:
@@ -78,6 +81,8 @@ class SweepPlan:
                              f"{self.new_tokens}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.starts < 1:
+            raise ValueError(f"--rounds must be >= 1, got {self.starts}")
 
     @classmethod
     def preset(cls, quick: bool, repeats: int | None = None) -> SweepPlan:
@@ -149,6 +154,11 @@ def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
                            "aggregate_late_tok_s": None if None in late else sum(late)})
         after = decode_steps(url)
     steps = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
+    return summarize(rounds, steps)
+
+
+def summarize(rounds: list[dict], steps: dict[str, float] | None) -> dict:
+    """A point's medians over its timed rounds (of one server, or pooled)."""
     agg = [r["aggregate_tok_s"] for r in rounds if r["aggregate_tok_s"] is not None]
     late = [r["aggregate_late_tok_s"] for r in rounds if r["aggregate_late_tok_s"] is not None]
     return {"tok_s_median": statistics.median(agg) if agg else None,
@@ -160,10 +170,28 @@ def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
             "rounds": rounds}
 
 
+def pool_starts(runs: list[dict]) -> dict:
+    """One row's server starts (``run_config`` results) as one: per point, the timed
+    rounds of every start, their medians, and each start's own median."""
+    points = {}
+    for key, p in runs[0]["points"].items():
+        per = [r["points"][key] for r in runs]
+        steps: dict[str, float] = {}
+        for q in per:
+            for k, val in (q["decode_steps"] or {}).items():
+                steps[k] = steps.get(k, 0.0) + val
+        points[key] = {"history": p["history"], "batch": p["batch"],
+                       **summarize([r for q in per for r in q["rounds"]], steps or None),
+                       "start_tok_s_medians": [q["tok_s_median"] for q in per]}
+    return {**runs[0], "logs": [r["log"] for r in runs], "points": points,
+            "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs)}
+
+
 def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, out_dir: str,
-               bar) -> dict:
+               bar, start: int = 0) -> dict:
     args = [*cfg.server_args(model), *SWEEP_FLAGS]
-    log = os.path.join(out_dir, f"server-{cfg.slug}.log")
+    suffix = f"-round{start + 1}" if plan.starts > 1 else ""
+    log = os.path.join(out_dir, f"server-{cfg.slug}{suffix}.log")
     bar.set_description(f"{cfg.name}: starting")
     t0 = time.perf_counter()
     points: dict[str, dict] = {}
@@ -234,6 +262,18 @@ def markdown(res: dict) -> str:
                    *(_f(r[key], ".3f") for r in late.values())]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
+    by = {c["name"]: c["points"] for c in configs}
+    if EXACT in by and any("start_tok_s_medians" in p for p in by[EXACT].values()):
+        others = [c["name"] for c in configs if c["name"] != EXACT]
+        lines += ["## Per server start (each start's tok/s / sgl_spec exact's same start)", "",
+                  "| history | batch | " + " | ".join(others) + " |",
+                  "|" + "---|" * (len(others) + 2)]
+        for key, p in by[EXACT].items():
+            cells = [" / ".join(_f(a / b if a and b else None, ".2f") for a, b in
+                                zip(by[n][key]["start_tok_s_medians"], p["start_tok_s_medians"]))
+                     for n in others]
+            lines.append(f"| {p['history']} | {p['batch']} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -271,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"batch sizes (default: {SweepPlan.batches})")
     ap.add_argument("--new-tokens", type=int, metavar="N",
                     help="tokens generated per request (default: 64; --quick 24)")
+    ap.add_argument("--rounds", type=int, metavar="R",
+                    help="start every row's server R times, interleaved, and pool the timed "
+                         "rounds (default 1)")
     ap.add_argument("--rows", nargs="+", metavar="SLUG",
                     help="time only these rows (and sgl_spec exact); valid: "
                          + ", ".join(c.slug for c in CONFIGS))
@@ -279,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = configset.select_rows(CONFIGS, args.rows, EXACT)
         plan = SweepPlan.preset(args.quick, args.repeats)
         over = {k: v for k, v in (("histories", args.histories), ("batches", args.batches),
-                                  ("new_tokens", args.new_tokens)) if v is not None}
+                                  ("new_tokens", args.new_tokens), ("starts", args.rounds))
+                if v is not None}
         plan = dataclasses.replace(plan, **{k: tuple(v) if isinstance(v, list) else v
                                             for k, v in over.items()})
     except ValueError as exc:
@@ -293,15 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
-    configs = []
-    with tqdm(total=len(rows) * len(plan.histories) * len(plan.batches), unit="point",
-              dynamic_ncols=True) as bar:
+    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
+    with tqdm(total=plan.starts * len(rows) * len(plan.histories) * len(plan.batches),
+              unit="point", dynamic_ncols=True) as bar:
         try:
-            for cfg in rows:
-                configs.append(run_config(cfg, model, prompts, plan, args.out, bar))
+            for i in range(plan.starts):
+                for cfg in rows:
+                    runs[cfg.name].append(run_config(cfg, model, prompts, plan, args.out, bar, i))
         except ServerStartError as exc:
             print(f"error: configuration {cfg.name!r}: {exc}")
             return 1
+    configs = [pool_starts(r) if plan.starts > 1 else r[0] for r in runs.values()]
     meta.update(duration_s=time.perf_counter() - t0,
                 load_average_after=provenance.load_average())
     res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs),
