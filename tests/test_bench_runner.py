@@ -410,3 +410,24 @@ def test_solvable_check_is_na_without_short_history_questions(convs):
     verdict = runner.acceptance(res)[
         "sgl_spec exact: end-position this-turn EM, history < 2048 tokens"]
     assert verdict == "n/a of 0 questions (need >= 0.5): n/a (no such question in this dataset)"
+
+
+def test_rounds_interleave_rows_and_name_a_row_that_fails_to_start():
+    from sgl_spec.bench.server import ServerStartError
+
+    rows = (configset.ServerConfig("a", "sgl_spec"), configset.ServerConfig("b", "sgl_spec"))
+    order = []
+    runs = configset.run_interleaved(rows, 2, lambda c, i: order.append((c.name, i)) or {"i": i})
+    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    assert runs == {"a": [{"i": 0}, {"i": 1}], "b": [{"i": 0}, {"i": 1}]}
+
+    def fail(c, i):
+        if c.name == "b":
+            raise ServerStartError("exited with 1")
+        return {}
+
+    with pytest.raises(ServerStartError, match="configuration 'b': exited with 1"):
+        configset.run_interleaved(rows, 1, fail)
+    assert sparse_counters.add([{"sparse": 1.0}, None, {"sparse": 2.0, "exact": 1.0}]) == {
+        "sparse": 3.0, "exact": 1.0}
+    assert sparse_counters.add([None, {}]) is None

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from sgl_spec.bench import plan as run_plan
-from sgl_spec.bench.server import SPEC, STOCK
+from sgl_spec.bench.server import SPEC, STOCK, ServerStartError
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
@@ -117,6 +118,21 @@ def select_rows(configs: tuple[ServerConfig, ...], slugs: list[str] | None,
     if unknown:
         raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
     return tuple(c for c in configs if c.name == keep or c.slug in slugs)
+
+
+def run_interleaved(rows: tuple[ServerConfig, ...], rounds: int,
+                    run_one: Callable[[ServerConfig, int], dict]) -> dict[str, list[dict]]:
+    """A sweep's ``--rounds``: ``run_one(row, round)`` for every row, all rows then all
+    rows again, ``rounds`` times (so a slow stretch of the machine hits every row);
+    ``{row name: [one result per round]}``. A server that fails to start names its row."""
+    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
+    for i in range(rounds):
+        for cfg in rows:
+            try:
+                runs[cfg.name].append(run_one(cfg, i))
+            except ServerStartError as exc:
+                raise ServerStartError(f"configuration {cfg.name!r}: {exc}") from exc
+    return runs
 
 
 @dataclass(frozen=True)

@@ -176,12 +176,9 @@ def pool_starts(runs: list[dict]) -> dict:
     points = {}
     for key, p in runs[0]["points"].items():
         per = [r["points"][key] for r in runs]
-        steps: dict[str, float] = {}
-        for q in per:
-            for k, val in (q["decode_steps"] or {}).items():
-                steps[k] = steps.get(k, 0.0) + val
+        steps = sparse_counters.add([q["decode_steps"] for q in per])
         points[key] = {"history": p["history"], "batch": p["batch"],
-                       **summarize([r for q in per for r in q["rounds"]], steps or None),
+                       **summarize([r for q in per for r in q["rounds"]], steps),
                        "start_tok_s_medians": [q["tok_s_median"] for q in per]}
     return {**runs[0], "logs": [r["log"] for r in runs], "points": points,
             "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs)}
@@ -337,15 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
-    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
     with tqdm(total=plan.starts * len(rows) * len(plan.histories) * len(plan.batches),
               unit="point", dynamic_ncols=True) as bar:
         try:
-            for i in range(plan.starts):
-                for cfg in rows:
-                    runs[cfg.name].append(run_config(cfg, model, prompts, plan, args.out, bar, i))
+            runs = configset.run_interleaved(
+                rows, plan.starts,
+                lambda cfg, i: run_config(cfg, model, prompts, plan, args.out, bar, i))
         except ServerStartError as exc:
-            print(f"error: configuration {cfg.name!r}: {exc}")
+            print(f"error: {exc}")
             return 1
     configs = [pool_starts(r) if plan.starts > 1 else r[0] for r in runs.values()]
     meta.update(duration_s=time.perf_counter() - t0,

@@ -40,8 +40,7 @@ from dataclasses import asdict, dataclass
 
 import requests
 
-from sgl_spec.bench import provenance, sparse_counters
-from sgl_spec.bench import configset
+from sgl_spec.bench import configset, provenance, sparse_counters
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
@@ -120,14 +119,11 @@ def pool_rounds(runs: list[dict]) -> dict:
     for n, p in first["points"].items():
         per_round = [r["points"][n] for r in runs]
         reqs = [q for pr in per_round for q in pr["requests"]]
-        extends: dict[str, float] = {}
-        for pr in per_round:
-            for k, val in (pr["extends"] or {}).items():
-                extends[k] = extends.get(k, 0.0) + val
         points[n] = {**p, "ttft_median_s": statistics.median(q["ttft_s"] for q in reqs),
                      "round_medians_s": [pr["ttft_median_s"] for pr in per_round],
                      "cached_tokens_max": max(pr["cached_tokens_max"] for pr in per_round),
-                     "extends": extends or None, "requests": reqs}
+                     "extends": sparse_counters.add([pr["extends"] for pr in per_round]),
+                     "requests": reqs}
     return {**first, "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs),
             "logs": [r["log"] for r in runs], "points": points}
 
@@ -323,16 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
     prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
-    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
     total = plan.rounds * len(rows) * len(plan.lengths)
     with tqdm(total=total, unit="point", dynamic_ncols=True) as bar:
         try:
-            for i in range(plan.rounds):
-                for cfg in rows:
-                    runs[cfg.name].append(
-                        run_config(cfg, model, prompts, plan, args.out, bar, i))
+            runs = configset.run_interleaved(
+                rows, plan.rounds,
+                lambda cfg, i: run_config(cfg, model, prompts, plan, args.out, bar, i))
         except ServerStartError as exc:
-            print(f"error: configuration {cfg.name!r}: {exc}")
+            print(f"error: {exc}")
             return 1
     configs = [pool_rounds(r) if plan.rounds > 1 else r[0] for r in runs.values()]
     meta.update(duration_s=time.perf_counter() - t0,

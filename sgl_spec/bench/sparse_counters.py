@@ -32,6 +32,15 @@ def by_path(text: str, counter: str) -> dict[str, float]:
     return out
 
 
+def add(counts: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Per-path counts summed over several reads (None: no counter anywhere)."""
+    out: dict[str, float] = {}
+    for c in counts:
+        for k, v in (c or {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out or None
+
+
 class SparseCounters(NamedTuple):
     """Request decode steps by attention path, and reselections (loopserve)."""
 
