@@ -242,7 +242,6 @@ def vslash_attention_torch(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev:
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be like q {tuple(q.shape)}")
-    is_v_all, is_s_all = line_bitmaps(lines, num_keys, dev)  # [H_l, K]
     if slash_kernel is None:
         slash_kernel = cpu_kernel.supported(q, dims.head_dim, lg)
     elif slash_kernel and not cpu_kernel.supported(q, dims.head_dim, lg):
@@ -253,9 +252,9 @@ def vslash_attention_torch(
         )
     if slash_kernel:
         for lh in range(lines.num_heads):
-            _two_parts(q, k, v, lines, lh, lg, dims.group, is_v_all[lh], history_len,
-                       scale, chunk, out)
+            _two_parts(q, k, v, lines, lh, lg, dims.group, history_len, scale, chunk, out)
         return out
+    is_v_all, is_s_all = line_bitmaps(lines, num_keys, dev)  # [H_l, K]
     for lh in range(lines.num_heads):
         heads = slice(lh * lg, (lh + 1) * lg)  # this line head's query heads
         kvh = lh * lg // dims.group
@@ -304,7 +303,7 @@ def vslash_attention_torch(
     return out
 
 
-def _two_parts(q, k, v, lines, lh, lg, group, is_v, history_len, scale, chunk, out):
+def _two_parts(q, k, v, lines, lh, lg, group, history_len, scale, chunk, out):
     """One line head with the C++ slash kernel, per row block ``p0..p1``: the kernel
     takes the slashes and the verticals inside the block (causal per row); one
     unmasked fused call takes the verticals ``<= p0``, which every row sees."""
@@ -313,7 +312,9 @@ def _two_parts(q, k, v, lines, lh, lg, group, is_v, history_len, scale, chunk, o
     kvh = lh * lg // group
     kh, vh = k[:, kvh], v[:, kvh]
     slash, vert = lines.slash[lh], lines.vertical[lh]
-    inputs = cpu_kernel.SlashInputs(kh, vh, is_v)
+    owned = torch.zeros(k.shape[0], dtype=torch.bool)  # the verticals: the other part's
+    owned[vert] = True
+    inputs = cpu_kernel.SlashInputs(kh, vh, owned)
     k_v, v_v = kh[vert][None], vh[vert][None]  # [1, n_v, D]: a block uses a prefix
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)

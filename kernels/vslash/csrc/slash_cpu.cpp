@@ -89,8 +89,8 @@ inline vf reduce16(const vf* a) {
 // q [LG, R, D] fp32 scaled; k, v [K, D] (row stride D); owned [K] (1: skip the
 // column); slash [m] sorted ascending; tail [nt] sorted columns. out [LG, R, D],
 // lse [LG, R].
-template <int D, int LG, typename KV>
-void run(const float* q, const KV* k, const KV* v, const uint8_t* owned,
+template <int D, int LG>
+void run(const float* q, const float* k, const float* v, const uint8_t* owned,
          const int64_t* slash, int64_t m, const int64_t* tail, int64_t nt, int64_t R,
          int64_t p0, float* out, float* lse) {
   constexpr int U = D / W;  // vectors per row
@@ -126,7 +126,7 @@ void run(const float* q, const KV* k, const KV* v, const uint8_t* owned,
         for (int h = 0; h < LG; ++h) {
           vf acc[W];
           for (int jj = 0; jj < W; ++jj) {
-            const KV* kr = k + cols[j0 + jj] * D;
+            const float* kr = k + cols[j0 + jj] * D;
             vf a = qv[h][0] * ld(kr);
             for (int u = 1; u < U; ++u) a += qv[h][u] * ld(kr + u * W);
             acc[jj] = a;
@@ -160,7 +160,7 @@ void run(const float* q, const KV* k, const KV* v, const uint8_t* owned,
       for (int h = 0; h < LG; ++h)
         for (int u = 0; u < U; ++u) o[h][u] = splat(0.f);
       for (int64_t j = 0; j < c; ++j) {  // each value row once for the LG heads
-        const KV* vr = v + cols[j] * D;
+        const float* vr = v + cols[j] * D;
         vf vv[U];
         for (int u = 0; u < U; ++u) vv[u] = ld(vr + u * W);
         for (int h = 0; h < LG; ++h) {
@@ -177,13 +177,13 @@ void run(const float* q, const KV* k, const KV* v, const uint8_t* owned,
   });
 }
 
-template <int D, typename KV>
-bool dispatch(int64_t lg, const float* q, const KV* k, const KV* v, const uint8_t* owned,
+template <int D>
+bool dispatch(int64_t lg, const float* q, const float* k, const float* v, const uint8_t* owned,
               const int64_t* slash, int64_t m, const int64_t* tail, int64_t nt, int64_t R,
               int64_t p0, float* out, float* lse) {
   switch (lg) {
 #define SGL_SPEC_LG(N) \
-  case N: run<D, N, KV>(q, k, v, owned, slash, m, tail, nt, R, p0, out, lse); return true;
+  case N: run<D, N>(q, k, v, owned, slash, m, tail, nt, R, p0, out, lse); return true;
     SGL_SPEC_LG(1) SGL_SPEC_LG(2) SGL_SPEC_LG(3) SGL_SPEC_LG(4)
     SGL_SPEC_LG(5) SGL_SPEC_LG(6) SGL_SPEC_LG(7) SGL_SPEC_LG(8)
 #undef SGL_SPEC_LG
@@ -191,15 +191,14 @@ bool dispatch(int64_t lg, const float* q, const KV* k, const KV* v, const uint8_
   }
 }
 
-template <typename KV>
-bool dispatch_d(int64_t D, int64_t lg, const float* q, const KV* k, const KV* v,
+bool dispatch_d(int64_t D, int64_t lg, const float* q, const float* k, const float* v,
                 const uint8_t* owned, const int64_t* slash, int64_t m, const int64_t* tail,
                 int64_t nt, int64_t R, int64_t p0, float* out, float* lse) {
   switch (D) {
-    case 16: return dispatch<16, KV>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
-    case 32: return dispatch<32, KV>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
-    case 64: return dispatch<64, KV>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
-    case 128: return dispatch<128, KV>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
+    case 16: return dispatch<16>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
+    case 32: return dispatch<32>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
+    case 64: return dispatch<64>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
+    case 128: return dispatch<128>(lg, q, k, v, owned, slash, m, tail, nt, R, p0, out, lse);
   }
   return false;
 }
@@ -241,7 +240,7 @@ std::vector<at::Tensor> slash_attention(at::Tensor q, at::Tensor k, at::Tensor v
   const uint8_t* op = owned.data_ptr<uint8_t>();
   const int64_t *sp = slash.data_ptr<int64_t>(), *tp = tail.data_ptr<int64_t>();
   float *o = out.data_ptr<float>(), *l = lse.data_ptr<float>();
-  const bool ok = dispatch_d<float>(D, lg, qp, k.data_ptr<float>(), v.data_ptr<float>(), op,
+  const bool ok = dispatch_d(D, lg, qp, k.data_ptr<float>(), v.data_ptr<float>(), op,
                                     sp, m, tp, nt, R, p0, o, l);
   TORCH_CHECK(ok, "slash_attention: head_dim in {16, 32, 64, 128} and 1..8 query heads per line "
               "head, got head_dim ", D, ", ", lg);
