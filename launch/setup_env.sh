@@ -44,7 +44,7 @@ if [[ "$PLATFORM" == cpu ]]; then
   "${PIP[@]}" "${C[@]}" torch==2.13.0
   "${PIP[@]}" --no-deps sglang==0.5.23
   "${PIP[@]}" "${C[@]}" -r "$ROOT/launch/requirements-cpu.txt"
-  # CUDA build on PyPI; sgl_spec.cpu makes it importable on a CPU torch.
+  # CUDA build on PyPI; sgl_spec.integration.cpu makes it importable on a CPU torch.
   "${PIP[@]}" --no-deps torchvision==0.28.0
 else
   C=()
@@ -56,8 +56,7 @@ fi
 "${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
 "$PY" - <<'PY'
 import torch, sglang  # noqa: F401  fail here, not at first launch
-from sgl_spec.sglang_compat import check_version
-check_version()
+import sgl_spec.integration  # checks the pinned sglang version
 print(f"sgl_spec setup: torch {torch.__version__}, sglang {sglang.__version__}", flush=True)
 PY
 echo "$WANT" > "$STAMP"

@@ -18,7 +18,7 @@ from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403  (the PEP 517 hooks)
 
 PTH_NAME = "sgl_spec_cpu.pth"
-PTH_TEXT = b"import sgl_spec.cpu.boot\n"
+PTH_TEXT = b"import sgl_spec.boot\n"
 
 
 def _record_line(name: str, data: bytes) -> str:

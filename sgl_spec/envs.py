@@ -4,7 +4,7 @@ The prefix is ``SGLSPEC_``, not ``SGL_SPEC_``: sglang reads every ``SGL_*`` vari
 as a deprecated alias of ``SGLANG_*`` (and ``SGLANG_SPEC_*`` is its speculative
 decoding namespace).
 
-Kept free of heavy imports: ``sgl_spec.cpu.boot`` uses it at interpreter start.
+Kept free of heavy imports: ``sgl_spec.boot`` uses it at interpreter start.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ SGLSPEC_PLATFORM = "SGLSPEC_PLATFORM"
 # JSON of sgl_spec.config.SpecConfig, written by sgl_spec.launch_server so that
 # sglang's spawned scheduler processes see the user's --spec-* flags.
 SGLSPEC_CONFIG = "SGLSPEC_CONFIG"
-# "auto" (build the CPU slash kernel on first use, fall back to torch ops if that
-# fails), "0" (never: the torch path) or "1" (a failed build raises).
-SGLSPEC_VSLASH_CPU_KERNEL = "SGLSPEC_VSLASH_CPU_KERNEL"
+# "auto" (build the C++ CPU kernels on first use, fall back to torch ops where that
+# fails), "0" (never: the torch paths) or "1" (a failed build raises).
+SGLSPEC_CPU_KERNELS = "SGLSPEC_CPU_KERNELS"
 # Where prepared models live (default: $XDG_CACHE_HOME/sgl_spec or ~/.cache/sgl_spec).
 SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
 
@@ -35,8 +35,8 @@ def platform_override() -> str:
     return _choice(SGLSPEC_PLATFORM, ("auto", "cpu", "cuda"))
 
 
-def vslash_cpu_kernel() -> str:
-    return _choice(SGLSPEC_VSLASH_CPU_KERNEL, ("auto", "0", "1"))
+def cpu_kernels() -> str:
+    return _choice(SGLSPEC_CPU_KERNELS, ("auto", "0", "1"))
 
 
 def spec_config_json() -> str | None:

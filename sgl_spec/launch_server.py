@@ -18,9 +18,9 @@ import logging
 import os
 import sys
 
+from sgl_spec import BACKEND_NAME as NAME
 from sgl_spec import config as spec_config
 from sgl_spec import envs
-from sgl_spec.plugin import NAME
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,12 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
         cfg = spec_config.from_cli_args(spec_args)
     except ValueError as exc:
         parser.error(str(exc))
-    if cfg.disable and cfg.mode != "exact":
+    if cfg.disable and cfg.decode.mode != "exact":
         logger.warning("--spec-mode %s has no effect with --spec-disable (stock "
-                       "components decode exactly)", cfg.mode)
-    if cfg.disable and cfg.prefill != "exact":
+                       "components decode exactly)", cfg.decode.mode)
+    if cfg.disable and cfg.prefill.mode != "exact":
         logger.warning("--spec-prefill %s has no effect with --spec-disable (stock "
-                       "components prefill exactly)", cfg.prefill)
+                       "components prefill exactly)", cfg.prefill.mode)
     return cfg, rest
 
 
@@ -88,48 +88,19 @@ def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list
     return out
 
 
-def print_help() -> None:
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Launch an SGLang server with sgl_spec's cache and attention "
-        "backends. Accepts every sglang.launch_server flag plus the --spec-* flags.",
-    )
-    ServerArgs.add_cli_args(parser)
-    spec_config.add_cli_args(parser)
-    parser.print_help()
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from sgl_spec.cpu.boot import cuda_host
-    from sgl_spec.plugin import register
+    from sgl_spec.boot import cuda_host
+    from sgl_spec.integration import plugin, server
 
     if "-h" in argv or "--help" in argv:
-        register()
-        print_help()
+        plugin.register()
+        server.print_help(PROG, spec_config.add_cli_args)
         return
     cfg, rest = split_argv(argv)  # bad --spec-* flags fail before sglang loads
-    register()  # makes "sgl_spec" a valid --attention-backend choice
+    plugin.register()  # makes "sgl_spec" a valid --attention-backend choice
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
-    rest = sglang_argv(cfg, rest, cpu=not cuda_host())
-
-    from sglang.launch_server import run_server
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-    from sglang.srt.utils import kill_process_tree
-
-    load_plugins()
-    server_args = prepare_server_args(rest)
-    if not cfg.disable:
-        from sgl_spec.cache.endpoint import add_route
-
-        add_route()
-    try:
-        run_server(server_args)
-    finally:
-        kill_process_tree(os.getpid(), include_parent=False)
+    server.serve(sglang_argv(cfg, rest, cpu=not cuda_host()), add_route=not cfg.disable)
 
 
 if __name__ == "__main__":

@@ -1,49 +1,37 @@
-"""Builders for cache-level tests: a stock UnifiedRadixCache and a SpecRadixCache
-over identical pools, a synthetic chat format, and a request flow that drives
-either cache the way sglang's scheduler does (match, lock, evict, insert, unlock).
+"""Builders for cache-level tests: stock UnifiedRadixCaches and sgl_spec's caches
+(default flags: sglang's compiled core; tagged: the turn-tagged core) over identical
+pools, a synthetic chat format, and a request flow that drives any of them the way
+sglang's scheduler does (match, lock, evict, insert, unlock).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sgl_spec.bench import cache_fixtures
-from sgl_spec.bench.cache_fixtures import key
+from _turns import ASSISTANT, END_THINK, FMT, IM_END, IM_START, NL, THINK, turn  # noqa: F401
 from sgl_spec.cache.turn_format import TurnFormat
-
-# Synthetic vocabulary: ChatML-like specials and plain content tokens >= 20.
-IM_START, IM_END, SYSTEM, USER, ASSISTANT, TOOL, NL, THINK, END_THINK = range(1, 10)
-ROLE_TOKEN = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
-FMT = TurnFormat(
-    openers=tuple((r, (IM_START, t)) for r, t in ROLE_TOKEN.items()),
-    end=(IM_END,),
-    think=((THINK,), (END_THINK,)),
-    drops_reasoning=True,
+from sgl_spec.config import CacheConfig, SpecConfig
+from sgl_spec.integration.standalone import (
+    EvictParams,
+    InsertParams,
+    MatchPrefixParams,
+    build_cache,
 )
-
-
-def turn(role: str, content: list[int], reasoning: list[int] | None = None) -> list[int]:
-    body = list(content)
-    if reasoning is not None:
-        body = [THINK, *reasoning, END_THINK, *body]
-    return [IM_START, ROLE_TOKEN[role], NL, *body, IM_END, NL]
-
+from sgl_spec.integration.standalone import radix_key as key
 
 def build(kind: str, size: int, fmt: TurnFormat | None = FMT, eviction: str = "lru",
           tree_core: str | None = None):
-    return cache_fixtures.build(kind, size, fmt, eviction, tree_core)
+    """kind: "stock", "spec" (default flags: the compiled core) or "tagged"."""
+    cfg = SpecConfig(cache=CacheConfig(eviction=eviction))
+    return build_cache(kind, size, fmt, cfg, tree_core)
 
 
 def match(cache, tokens) -> tuple[int, object]:
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-
     m = cache.match_prefix(MatchPrefixParams(key=key(tokens)))
     return m.device_prefix_len, m
 
 
 def evict(cache, n: int) -> int:
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     return cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
 
 
@@ -67,8 +55,6 @@ class Request:
         if self.alloc.available_size() < need:
             # What the scheduler does on an allocation shortfall: evict toward
             # an availability target (the walk may stop mid-way).
-            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
             evicted = self.cache.evict_for_alloc(
                 EvictParams(num_tokens=need - self.alloc.available_size())
             ).num_tokens_evicted
@@ -82,8 +68,6 @@ class Request:
         return matched, evicted
 
     def finish(self) -> int:
-        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
         full = self.prompt + self.output
         # As sglang's checkpoint_into_tree: the locked prefix is protected; the
         # insert frees this request's duplicates of anything cached since.

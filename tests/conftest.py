@@ -1,10 +1,27 @@
-"""Shared fixtures: real sglang servers started once per test session."""
+"""Shared fixtures: real sglang servers started once per test session.
+
+With ``SGLSPEC_TEST_BLOCK_SGLANG=1`` every ``import sglang...`` in this process fails
+(``tests/test_no_sglang.py`` runs the sglang-free modules' tests that way).
+"""
 
 from __future__ import annotations
 
+import importlib.abc
 import os
+import sys
 
 import pytest
+
+
+class _BlockSglang(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "sglang" or fullname.startswith("sglang."):
+            raise ImportError(f"sglang is blocked in this test process ({fullname})")
+        return None
+
+
+if os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") == "1":
+    sys.meta_path.insert(0, _BlockSglang())
 
 from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess

@@ -1,53 +1,47 @@
-"""Exact-mode extend against stock torch_native on the same KV pool (no server)."""
+"""Exact mode against stock torch_native on the same KV pool (no server): extend and
+decode through sgl_spec's plan/run core, and the integration's choice of layers."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sgl_spec.attention.backend import SpecAttnBackend, offset_causal_mask
+from sgl_spec.attention import build_core
+from sgl_spec.attention.batch import BatchView
+from sgl_spec.attention.extend import offset_causal_mask
+from sgl_spec.config import SpecConfig
+from sgl_spec.integration.attention import SpecAttnBackend
+from sgl_spec.sparse.policy import AttnShape
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-
-def _bare(cls):
-    return object.__new__(cls)  # the extend kernels read no backend state
+HEADS, KV_HEADS, DIM = 6, 2, 32
 
 
-def _make_batch(prefix_lens, new_lens, heads=6, kv_heads=2, dim=16, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(sum(prefix_lens) * 31 + sum(new_lens))
-    seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+def _pool(seq_lens, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
     pool = sum(seq_lens) + 5
-    k_cache = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(pool, kv_heads, dim, generator=gen).to(dtype)
+    k_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, KV_HEADS, DIM, generator=gen).to(dtype)
     perm = torch.randperm(pool, generator=gen)  # scattered slots, as in a real pool
     req_to_token = torch.zeros(len(seq_lens) + 1, max(seq_lens) + 2, dtype=torch.int32)
     used = 0
     for i, s in enumerate(seq_lens):
         req_to_token[i + 1, :s] = perm[used : used + s].to(torch.int32)
         used += s
-    q = torch.randn(sum(new_lens), heads, dim, generator=gen).to(dtype)
-    return dict(
-        query=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        req_to_token=req_to_token,
-        req_pool_indices=torch.arange(1, len(seq_lens) + 1),
-        seq_lens=torch.tensor(seq_lens),
-        extend_prefix_lens=torch.tensor(prefix_lens),
-        extend_seq_lens=torch.tensor(new_lens),
-    )
+    return gen, k_cache, v_cache, req_to_token
 
 
-def _run(cls, batch, **kw):
-    out = torch.full_like(batch["query"], float("nan"))  # poisoned: all must be written
-    args = dict(batch)
-    q = args.pop("query")
-    cls._run_sdpa_forward_extend(
-        _bare(cls), q, out, args["k_cache"], args["v_cache"], args["req_to_token"],
-        args["req_pool_indices"], args["seq_lens"], args["extend_prefix_lens"],
-        args["extend_seq_lens"], None, scaling=0.25, enable_gqa=True, causal=True, **kw,
-    )
-    return out
+def _view(mode, seq_lens, req_to_token, extend_lens=()):
+    rows = tuple(range(1, len(seq_lens) + 1))
+    return BatchView(mode, tuple(f"r{i}" for i in rows), tuple(seq_lens), rows, tuple(extend_lens),
+                     req_to_token=req_to_token, rows=torch.tensor(rows),
+                     seq_lens_t=torch.tensor(seq_lens))
+
+
+def _core():
+    return build_core(SpecConfig(), AttnShape(2, HEADS, KV_HEADS, DIM), "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -58,9 +52,18 @@ def _run(cls, batch, **kw):
     ids=["one-no-prefix", "batch-no-prefix", "prefix", "ragged-mixed", "prefix-one-token"],
 )
 def test_extend_matches_torch_native(prefix_lens, new_lens, dtype):
-    batch = _make_batch(prefix_lens, new_lens, dtype=dtype)
-    got = _run(SpecAttnBackend, batch)
-    want = _run(TorchNativeAttnBackend, batch)
+    seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    gen, k_cache, v_cache, r2t = _pool(seq_lens, dtype, sum(seq_lens) * 31 + len(new_lens))
+    q = torch.randn(sum(new_lens), HEADS, DIM, generator=gen).to(dtype)
+    core = _core()
+    plan = core.plan(_view("extend", seq_lens, r2t, new_lens))
+    got = torch.full_like(q, float("nan"))  # poisoned: all must be written
+    core.extend(plan, 0, q, k_cache, v_cache, got, 0.25)
+    want = torch.full_like(q, float("nan"))
+    TorchNativeAttnBackend._run_sdpa_forward_extend(
+        object.__new__(TorchNativeAttnBackend), q, want, k_cache, v_cache, r2t,
+        torch.arange(1, len(seq_lens) + 1), torch.tensor(seq_lens), torch.tensor(prefix_lens),
+        torch.tensor(new_lens), None, scaling=0.25, enable_gqa=True, causal=True)
     assert not torch.isnan(got).any()
     if not any(prefix_lens):
         assert torch.equal(got, want)  # no prefix: the very same SDPA call
@@ -69,16 +72,49 @@ def test_extend_matches_torch_native(prefix_lens, new_lens, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_extend_with_sliding_window_matches_torch_native():
-    batch = _make_batch([10, 0], [6, 12])
-    got = _run(SpecAttnBackend, batch, sliding_window_size=4)
-    want = _run(TorchNativeAttnBackend, batch, sliding_window_size=4)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seq_lens", [[1], [300], [7, 513, 64]], ids=["one-token", "one", "ragged"])
+def test_decode_matches_torch_native(seq_lens, dtype):
+    """Exact mode decodes every row with the fused dense kernel: the same softmax as
+    torch_native's per-request SDPA, other rounding."""
+    gen, k_cache, v_cache, r2t = _pool(seq_lens, dtype, sum(seq_lens))
+    q = torch.randn(len(seq_lens), HEADS, DIM, generator=gen).to(dtype)
+    core = _core()
+    plan = core.plan(_view("decode", seq_lens, r2t))
+    got = torch.full_like(q, float("nan"))
+    core.decode(plan, 0, q, k_cache, v_cache, got, DIM**-0.5)
+    want = torch.empty_like(q)
+    TorchNativeAttnBackend._run_sdpa_forward_decode(
+        object.__new__(TorchNativeAttnBackend), q, want, k_cache, v_cache, r2t,
+        torch.arange(1, len(seq_lens) + 1), torch.tensor(seq_lens), scaling=DIM**-0.5,
+        enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert core.decoder.stats.exact_steps == len(seq_lens)
+
+
+def test_layers_torch_native_handles_keep_its_code():
+    """Cross-attention, encoder-only, sliding-window layers and SWA pools go to
+    torch_native's own extend/decode; ordinary causal layers to sgl_spec's core."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    backend = object.__new__(SpecAttnBackend)
+    backend.use_sliding_window_kv_pool = False
+
+    def layer(**kw):
+        base = dict(is_cross_attention=False, attn_type=AttentionType.DECODER,
+                    sliding_window_size=-1)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert backend._own(layer())
+    assert backend._own(layer(sliding_window_size=None))
+    assert not backend._own(layer(is_cross_attention=True))
+    assert not backend._own(layer(attn_type=AttentionType.ENCODER_ONLY))
+    assert not backend._own(layer(sliding_window_size=4))
+    backend.use_sliding_window_kv_pool = True
+    assert not backend._own(layer())
 
 
 def test_offset_causal_mask():
     mask = offset_causal_mask(prefix_len=3, q_len=2, device=torch.device("cpu"))
     assert mask.tolist() == [[True] * 4 + [False], [True] * 5]
-    windowed = offset_causal_mask(3, 2, torch.device("cpu"), sliding_window=1)
-    assert windowed.tolist() == [[False, False, True, True, False],
-                                 [False, False, False, True, True]]

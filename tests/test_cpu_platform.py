@@ -1,4 +1,5 @@
-"""CPU platform support: the sgl_kernel shim, the import hooks, the .pth file."""
+"""CPU platform support: the sgl_kernel shim, the import hooks and their gate, the
+.pth file."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import sysconfig
 import pytest
 import torch
 
-from sgl_spec.cpu import sgl_kernel_shim as shim
-from sgl_spec.cpu.boot import cuda_host
+from sgl_spec.boot import cuda_host
+from sgl_spec.integration.cpu import sgl_kernel_shim as shim
 
 pytestmark = pytest.mark.skipif(cuda_host(), reason="CPU-host support only")
 
@@ -88,7 +89,17 @@ def test_hooks_reach_a_fresh_interpreter():
         check=True,
     ).stdout.split()
     assert out[0] == "1"
-    assert out[1].endswith(os.path.join("sgl_spec", "cpu", "sgl_kernel_shim.py"))
+    assert out[1].endswith(os.path.join("sgl_spec", "integration", "cpu", "sgl_kernel_shim.py"))
+
+
+def test_interpreter_start_imports_nothing_heavy():
+    """The .pth gate costs every Python process of the environment a few imports:
+    neither sglang, torch, numpy nor importlib.metadata until sglang is imported."""
+    code = ("import sys; heavy = ('sglang', 'torch', 'numpy', 'importlib.metadata', "
+            "'sgl_spec.integration'); print([m for m in heavy if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd="/", check=True).stdout.strip()
+    assert out == "[]"
 
 
 def test_pth_file_is_part_of_the_installed_distribution():
@@ -100,7 +111,7 @@ def test_pth_file_is_part_of_the_installed_distribution():
     files = [str(f) for f in dist.files]
     assert "sgl_spec_cpu.pth" in files  # so `pip uninstall sgl_spec` removes it
     with open(os.path.join(site, "sgl_spec_cpu.pth")) as f:
-        assert f.read().strip() == "import sgl_spec.cpu.boot"
+        assert f.read().strip() == "import sgl_spec.boot"
 
 
 def test_frontend_gets_chatml_for_the_default_model():

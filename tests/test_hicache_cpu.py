@@ -17,8 +17,8 @@ import requests
 import torch
 
 from sgl_spec.bench.server import STOCK, ServerProcess, tail
-from sgl_spec.cpu import boot
-from sgl_spec.cpu.hicache import (
+from sgl_spec import boot
+from sgl_spec.integration.cpu.hicache import (
     alloc_host_buffer_cpu,
     check_cpu_hicache_io,
     cpu_host_memory_reserve_bytes,

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from sgl_spec.config import SpecConfig
+from sgl_spec.config import CacheConfig, DecodeConfig, PrefillConfig, SpecConfig
 from sgl_spec.launch_server import CPU_MAX_TOTAL_TOKENS, split_argv, sglang_argv
 
 
 def test_spec_flags_are_split_from_sglang_flags():
     cfg, rest = split_argv(["--model-path", "/m", "--spec-mode", "exact", "--tp-size", "1"])
-    assert cfg == SpecConfig(mode="exact", disable=False)
+    assert cfg == SpecConfig()
     assert rest == ["--model-path", "/m", "--tp-size", "1"]
     cfg, rest = split_argv(["--spec-disable", "--port=1"])
     assert cfg.disable and rest == ["--port=1"]
@@ -25,13 +25,14 @@ def test_sparse_flags_fill_the_config_and_its_params():
         "--spec-window", "8", "--spec-nd", "4", "--spec-min-context", "0", "--port", "1",
     ])
     assert rest == ["--port", "1"]
-    assert (cfg.mode, cfg.budget, cfg.sink, cfg.window, cfg.nd, cfg.min_context) == (
+    d = cfg.decode
+    assert (d.mode, d.budget, d.sink, d.window, d.nd, d.min_context) == (
         "loopserve", 64, 2, 8, 4, 0)
-    p = cfg.sparse_params()
-    assert (p.budget, p.sink, p.window, p.nd, p.min_context) == (64, 2, 8, 4, 0)
     defaults, _ = split_argv([])
-    assert (defaults.mode, defaults.budget, defaults.sink, defaults.window, defaults.nd,
-            defaults.min_context) == ("exact", 1024, 4, 64, 16, 2048)
+    assert defaults == SpecConfig()  # the flags' defaults are the config's, one source
+    d = defaults.decode
+    assert (d.mode, d.budget, d.sink, d.window, d.nd, d.min_context) == (
+        "exact", 1024, 4, 64, 16, 2048)
 
 
 @pytest.mark.parametrize(
@@ -74,19 +75,22 @@ def test_bad_spec_flags_exit_2_naming_flag_and_choices(argv, flag, valid, capsys
 
 
 def test_prefill_flags_fill_the_config_independently_of_the_decode_mode():
-    defaults, _ = split_argv([])
-    assert (defaults.prefill, defaults.prefill_alpha, defaults.prefill_min_tokens,
-            defaults.prefill_reuse) == ("exact", 0.955, 2048, True)
+    p = split_argv([])[0].prefill
+    assert (p.mode, p.alpha, p.min_tokens, p.reuse, p.max_density, p.skip_density) == (
+        "exact", 0.97, 2048, True, 0.3, 0.2)
     cfg, rest = split_argv([
         "--spec-prefill", "loopserve", "--spec-prefill-alpha=0.98",
         "--spec-prefill-min-tokens", "256", "--no-spec-prefill-reuse", "--port", "1",
     ])
     assert rest == ["--port", "1"]
-    assert (cfg.mode, cfg.prefill, cfg.prefill_alpha, cfg.prefill_min_tokens,
-            cfg.prefill_reuse) == ("exact", "loopserve", 0.98, 256, False)
+    p = cfg.prefill
+    assert (cfg.decode.mode, p.mode, p.alpha, p.min_tokens, p.reuse) == (
+        "exact", "loopserve", 0.98, 256, False)
+    assert not cfg.tagged_cache  # no kept lines, LRU: sglang's compiled tree core
     cfg, _ = split_argv(["--spec-prefill-alpha", "1", "--spec-mode", "loopserve",
-                         "--spec-prefill-reuse"])
-    assert cfg.prefill_alpha == 1.0 and cfg.prefill_reuse and cfg.mode == "loopserve"
+                         "--spec-prefill-reuse", "--spec-prefill", "loopserve"])
+    assert cfg.prefill.alpha == 1.0 and cfg.prefill.reuse and cfg.decode.mode == "loopserve"
+    assert cfg.tagged_cache  # LoopServe keeps its lines on the tree's nodes
     assert SpecConfig.from_json(cfg.to_json()) == cfg
 
 
@@ -112,16 +116,23 @@ def test_spec_disable_serves_stock_components():
 
 
 def test_config_json_round_trip_and_validation():
-    cfg = SpecConfig(mode="exact", disable=True)
+    cfg = SpecConfig(disable=True)
     assert SpecConfig.from_json(cfg.to_json()) == cfg
-    sparse = SpecConfig(mode="snapkv", budget=3, sink=0, window=2, nd=5, min_context=9)
+    sparse = SpecConfig(decode=DecodeConfig(mode="snapkv", budget=3, sink=0, window=2, nd=5,
+                                            min_context=9),
+                        cache=CacheConfig(eviction="turn"),
+                        prefill=PrefillConfig(mode="loopserve", alpha=0.5))
     assert SpecConfig.from_json(sparse.to_json()) == sparse
     with pytest.raises(ValueError, match="valid keys"):
-        SpecConfig.from_json('{"mode": "exact", "bogus": 3}')
+        SpecConfig.from_json('{"disable": false, "bogus": 3}')
+    with pytest.raises(ValueError, match="decode has unknown keys.*valid keys"):
+        SpecConfig.from_json('{"decode": {"mode": "exact", "bogus": 3}}')
     with pytest.raises(ValueError, match="valid values: exact, streaming, snapkv, loopserve"):
-        SpecConfig(mode="sparse")
+        DecodeConfig(mode="sparse")
     with pytest.raises(ValueError, match="--spec-window 0 is invalid; valid range: integers >= 1"):
-        SpecConfig.from_json('{"mode": "loopserve", "window": 0}')
+        SpecConfig.from_json('{"decode": {"mode": "loopserve", "window": 0}}')
+    with pytest.raises(ValueError, match="--spec-prefill-reuse 'yes' is invalid"):
+        PrefillConfig(reuse="yes")
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:
@@ -160,4 +171,4 @@ def test_help_lists_sglang_and_spec_flags():
     text = " ".join(proc.stdout.split())  # argparse wraps help lines
     assert "Default: exact" in text
     assert "Integer >= 1. Default: 1024." in text and "Default: 2048." in text
-    assert "Number in (0, 1]. Default: 0.955." in text
+    assert "Number in (0, 1]. Default: 0.97." in text

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -26,7 +25,13 @@ TRITON_LATE = not CUDA and "triton" in sys.modules and not os.environ.get("TRITO
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from sgl_spec.kernels.sparse_decode import IMPLS, sparse_decode  # noqa: E402
+from sgl_spec.kernels.sparse_decode import (  # noqa: E402
+    IMPLS,
+    DecodeSubsets,
+    dense_subsets,
+    sparse_decode,
+)
+from sgl_spec.kernels.sparse_decode import cpu_impl  # noqa: E402
 from sgl_spec.kernels.sparse_decode.flashinfer_impl import (  # noqa: E402
     build_pages,
     fill_selected,
@@ -85,11 +90,13 @@ class Batch:
     dense_k: list[torch.Tensor]  # per request [seq_len, Hkv, D], unpooled copies
     dense_v: list[torch.Tensor]
 
-    def args(self):
-        return (
-            self.q, self.k_buf, self.v_buf, self.req_to_token, self.req_pool_indices,
-            self.seq_lens, self.sel_idx, self.sel_len, self.recent_start,
-        )
+    def subsets(self) -> DecodeSubsets:
+        return DecodeSubsets(self.req_to_token, self.req_pool_indices, self.seq_lens,
+                             self.sel_idx, self.sel_len, self.recent_start, self.sink)
+
+    def dense(self) -> DecodeSubsets:
+        return dense_subsets(self.req_to_token, self.req_pool_indices, self.seq_lens,
+                             self.k_buf.shape[1])
 
     def to(self, device) -> Batch:
         moved = {
@@ -169,12 +176,14 @@ def make_batch(
     )
 
 
-def run_impl(batch: Batch, impl: str) -> torch.Tensor:
-    return sparse_decode(*batch.args(), sink=batch.sink, scale=batch.scale, impl=impl)
+def run_impl(batch: Batch, impl: str, dense: bool = False) -> torch.Tensor:
+    sub = batch.dense() if dense else batch.subsets()
+    return sparse_decode(batch.q, batch.k_buf, batch.v_buf, sub, scale=batch.scale, impl=impl)
 
 
 def reference(batch: Batch) -> torch.Tensor:
-    return sparse_decode_reference(*batch.args(), sink=batch.sink, scale=batch.scale)
+    return sparse_decode_reference(batch.q, batch.k_buf, batch.v_buf, batch.subsets(),
+                                   scale=batch.scale)
 
 
 def dense_attention(batch: Batch) -> torch.Tensor:
@@ -241,9 +250,9 @@ def test_reference_rejects_overlapping_selection():
 
 def test_unknown_impl_lists_valid_ones():
     batch = make_batch(CASES[0], torch.float32)
-    with pytest.raises(ValueError, match="valid: torch, triton, flashinfer"):
+    with pytest.raises(ValueError, match="valid: cpu, torch, triton, flashinfer"):
         run_impl(batch, "cuda")
-    assert IMPLS == ("torch", "triton", "flashinfer")
+    assert IMPLS == ("cpu", "torch", "triton", "flashinfer")
 
 
 # ---------------------------------------------------------------- torch
@@ -264,48 +273,75 @@ def test_torch_full_subset_is_dense_attention(case):
     assert rel_err(run_impl(batch, "torch"), dense_attention(batch)) <= 1e-5
 
 
-def test_torch_writes_out():
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_writes_out(impl):
     batch = make_batch(CASES[2], torch.float32)
     out = torch.empty_like(batch.q)
-    res = sparse_decode(*batch.args(), sink=batch.sink, scale=batch.scale, out=out)
+    res = sparse_decode(batch.q, batch.k_buf, batch.v_buf, batch.subsets(), scale=batch.scale,
+                        impl=impl, out=out)
     assert res is out and rel_err(out, reference(batch)) <= 1e-3
 
 
-def run_cached(batch: Batch, out=None) -> torch.Tensor:
-    from sgl_spec.kernels.sparse_decode.torch_cached import (
-        gather_fixed,
-        recent_index,
-        sparse_decode_cached,
-    )
-
-    fixed = [
-        gather_fixed(batch.k_buf, batch.v_buf, batch.req_to_token[row], batch.sel_idx[b],
-                     batch.sel_len[b], min(batch.sink, int(batch.seq_lens[b])))
-        for b, row in enumerate(batch.req_pool_indices.tolist())
-    ]
-    recent = recent_index(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                          batch.recent_start, torch.tensor([f.sink_end for f in fixed]),
-                          batch.k_buf.shape[1])
-    return sparse_decode_cached(batch.q, fixed, batch.k_buf, batch.v_buf, recent,
-                                scale=batch.scale, out=out)
-
-
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_torch_cached_matches_reference(case, dtype):
+@pytest.mark.parametrize("case", CASES[:5], ids=str)
+def test_dense_subsets_are_dense_attention(impl, case, dtype):
+    """Exact mode's call: every row attends its whole history (ragged lengths)."""
     batch = make_batch(case, dtype)
-    out = run_cached(batch)
+    out = run_impl(batch, impl, dense=True)
     assert out.dtype == dtype and out.shape == batch.q.shape
-    assert rel_err(out, reference(batch)) <= TOL[dtype]
-    one = make_batch(dataclasses.replace(case, seq_lens=case.seq_lens[:1]), dtype)
-    assert rel_err(run_cached(one), reference(one)) <= TOL[dtype]  # the unpadded B=1 path
+    assert rel_err(out, dense_attention(batch)) <= TOL[dtype]
 
 
-def test_torch_cached_full_subset_is_dense_attention_and_writes_out():
-    batch = make_batch(CASES[2], torch.float32, select_all=True)
-    out = torch.empty_like(batch.q)
-    assert run_cached(batch, out) is out
-    assert rel_err(out, dense_attention(batch)) <= 1e-5
+# ---------------------------------------------------------------- cpu (C++)
+
+
+def test_cpu_kernel_builds_and_is_the_default():
+    """The C++ kernel builds here (g++ and ninja, pyproject's ``ninja``) and
+    ``impl=None`` takes it for the shapes it is instantiated for."""
+    from sgl_spec.kernels.sparse_decode import default_impl
+
+    assert cpu_impl.load_kernel() is not None
+    batch = make_batch(CASES[2], torch.bfloat16)
+    assert default_impl(batch.q, batch.k_buf) == "cpu"
+    odd = torch.zeros(1, 2, 48)  # head_dim 48: not instantiated
+    assert default_impl(odd, torch.zeros(4, 1, 48)) == "torch"
+    nine = torch.zeros(1, 9, 64)  # 9 query heads per KV head
+    assert default_impl(nine, torch.zeros(4, 1, 64)) == "torch"
+    with pytest.raises(ValueError, match="valid impls otherwise: torch"):
+        sparse_decode(odd, torch.zeros(4, 1, 48), torch.zeros(4, 1, 48),
+                      dense_subsets(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1).long(),
+                                    torch.ones(1).long(), 1), scale=1.0, impl="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cpu_matches_reference(case, dtype):
+    batch = make_batch(case, dtype)
+    out = run_impl(batch, "cpu")
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    assert rel_err(out, reference(batch)) <= TOL.get(dtype, 2e-2)
+
+
+def test_cpu_long_lists_split_across_threads():
+    """Lists longer than the kernel's 256-entry chunks are split and merged exactly,
+    with very different lengths in one batch."""
+    case = Case("long-ragged", 3, 3, (1500, 7, 700, 300), 4, 64, 400, head_dim=64)
+    batch = make_batch(case, torch.bfloat16)
+    assert rel_err(run_impl(batch, "cpu"), reference(batch)) <= 2e-2
+    assert rel_err(run_impl(batch, "cpu", dense=True), dense_attention(batch)) <= 2e-2
+
+
+def test_cpu_kernel_rejects_bad_inputs():
+    mod = cpu_impl.load_kernel()
+    batch = make_batch(CASES[2], torch.float32)
+    sub = batch.subsets()
+    args = (sub.req_to_token, sub.rows, sub.seq_lens, sub.sel_idx, sub.sel_len)
+    with pytest.raises(RuntimeError, match="recent_start < seq_len"):
+        mod.decode(batch.q.contiguous(), batch.k_buf, batch.v_buf, *args, sub.seq_lens, 4)
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        mod.decode(batch.q.double(), batch.k_buf, batch.v_buf, *args, sub.recent_start, 4)
 
 
 # ---------------------------------------------------------------- triton
@@ -335,10 +371,7 @@ def test_flashinfer_page_lists_match_reference(case):
     """The FlashInfer path's page layout, checked on CPU by attending each list in torch."""
     batch = make_batch(case, torch.float32, seed=2)
     hkv, g = case.num_kv_heads, case.group
-    pages = build_pages(
-        batch.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.sel_len,
-        batch.recent_start, sink=batch.sink, num_kv_heads=hkv,
-    )
+    pages = build_pages(batch.subsets(), hkv)
     fill_selected(pages, batch.req_to_token, batch.sel_idx, hkv)
     k_pages = batch.k_buf.reshape(-1, batch.k_buf.shape[-1])  # [slots * Hkv, D]
     v_pages = batch.v_buf.reshape(-1, batch.v_buf.shape[-1])
@@ -380,8 +413,7 @@ def test_flashinfer_plan_once_run_per_layer():
     runner = FlashInferSparseDecode("cuda")
     first = layers[0].to("cuda")
     runner.plan(
-        first.req_to_token, first.req_pool_indices, first.seq_lens, first.sel_len,
-        first.recent_start, sink=first.sink, num_q_heads=first.q.shape[1],
+        first.subsets(), num_q_heads=first.q.shape[1],
         num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, scale=first.scale,
         q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
     )
@@ -390,29 +422,3 @@ def test_flashinfer_plan_once_run_per_layer():
         out = torch.empty_like(gpu.q)
         runner.run(gpu.q, gpu.k_buf, gpu.v_buf, gpu.sel_idx, out=out)
         assert rel_err(out, reference(lb)) <= 2e-2
-
-
-# ---------------------------------------------------------------- dense (pre-selection rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", CASES[:5], ids=str)
-def test_dense_decode_is_dense_attention(case, dtype):
-    from sgl_spec.kernels.sparse_decode.dense import dense_decode
-
-    batch = make_batch(case, dtype, select_all=True)
-    ref = dense_attention(batch)
-    for b in range(batch.q.shape[0]):
-        row = batch.req_to_token[int(batch.req_pool_indices[b]), : int(batch.seq_lens[b])]
-        out = dense_decode(batch.q[b], batch.k_buf, batch.v_buf, row, scale=batch.scale)
-        assert out.dtype == dtype and out.shape == batch.q[b].shape
-        assert rel_err(out, ref[b]) <= TOL[dtype]
-
-
-def test_dense_decode_benchmark_runs(capsys):
-    from sgl_spec.kernels.sparse_decode import bench_dense
-
-    bench_dense.main(["--history", "64", "--layers", "2", "--repeats", "1", "--q-heads", "4",
-                      "--kv-heads", "2", "--head-dim", "16"])
-    out = capsys.readouterr().out
-    assert "dense_decode" in out and "speedup" in out

@@ -1,4 +1,7 @@
-"""Selection policies (sgl_spec.sparse): registry, params, selections, state lifetime."""
+"""Selection policies (sgl_spec.sparse): registry, config, scoring, selections, the
+slot table and state lifetime. Each policy is driven the way the decoder drives it:
+``step`` per request, then per layer ``observe`` / ``reselect`` / ``selection`` on
+batched rows."""
 
 from __future__ import annotations
 
@@ -7,25 +10,28 @@ import dataclasses
 import pytest
 import torch
 
-from sgl_spec.kernels.sparse_decode import sparse_decode
+from _sparse import decode_step
+from sgl_spec.config import DecodeConfig
+from sgl_spec.kernels.sparse_decode import DecodeSubsets, sparse_decode
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 from sgl_spec.sparse import (
     AttnShape,
+    Kind,
+    RowStep,
     SelectionPolicy,
-    SparseParams,
-    Subset,
+    SlotTable,
     available_policies,
     get_policy,
-    pack_subsets,
     register_policy,
     score_history,
     select_topk,
-    use_exact,
 )
 from sgl_spec.sparse import policy as policy_mod
+from sgl_spec.sparse.slots import BufferSpec
 
 SHAPE = AttnShape(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16)
-PARAMS = SparseParams(budget=8, sink=2, window=4, nd=16, first_select_step=16, min_context=32)
+CFG = DecodeConfig(budget=8, sink=2, window=4, nd=16, first_select_step=16, min_context=32)
+POLICIES = ("streaming", "snapkv", "loopserve")
 
 
 def unit_dirs(seed: int) -> torch.Tensor:  # [Hkv, D] one unit direction per KV head
@@ -46,50 +52,52 @@ def aligned_query(dirs: torch.Tensor, seed: int, strength: float = 4.0) -> torch
     return q + 0.1 * torch.randn(q.shape, generator=g)
 
 
-def assert_valid_selection(sub: Subset, seq_len: int, params: SparseParams) -> None:
-    sel = sub.sel_idx
+def assert_valid_selection(sel: torch.Tensor, row: RowStep, seq_len: int, cfg=CFG) -> None:
     assert sel.dtype == torch.int64 and sel.shape[0] == SHAPE.num_kv_heads
-    assert sel.shape[1] <= params.budget
-    for row in sel.tolist():
-        assert len(set(row)) == len(row), "duplicates"
-        assert row == sorted(row)
-        assert all(min(params.sink, seq_len) <= p < sub.recent_start for p in row)
-    assert 0 <= sub.recent_start < seq_len
+    assert sel.shape[1] == cfg.budget
+    for r in sel.tolist():
+        assert len(set(r)) == len(r), "duplicates"
+        assert r == sorted(r)
+        assert all(min(cfg.sink, seq_len) <= p < row.recent_start for p in r)
+    assert 0 <= row.recent_start < seq_len
 
 
 # ------------------------------------------------------------------ registry
 
 
 def test_registry_lists_builtin_policies():
-    assert set(available_policies()) >= {"exact", "streaming", "snapkv", "loopserve"}
-    for name in ("exact", "streaming", "snapkv", "loopserve"):
-        pol = get_policy(name, PARAMS, SHAPE)
+    from sgl_spec.config import MODES
+
+    assert available_policies() == POLICIES
+    assert MODES == ("exact", *POLICIES)  # the flag's choices: exact is no policy
+    for name in POLICIES:
+        pol = get_policy(name, CFG, SHAPE)
         assert isinstance(pol, SelectionPolicy) and pol.name == name
         assert pol.live_states == 0
 
 
 def test_unknown_policy_lists_valid_names():
-    with pytest.raises(ValueError, match="'h2o' is unknown; valid: exact, streaming, snapkv, loopserve"):
-        get_policy("h2o", PARAMS, SHAPE)
+    with pytest.raises(ValueError, match="'h2o' is unknown; valid: streaming, snapkv, loopserve"):
+        get_policy("h2o", CFG, SHAPE)
 
 
 def test_register_rejects_duplicates_and_accepts_new(monkeypatch):
     monkeypatch.setattr(policy_mod, "_REGISTRY", dict(policy_mod._REGISTRY))
-    with pytest.raises(ValueError, match="'exact' is already registered"):
-        register_policy("exact", lambda p, s: None)
+    with pytest.raises(ValueError, match="'loopserve' is already registered"):
+        register_policy("loopserve", lambda c, s, d: None)
 
     class Custom(SelectionPolicy):
         name = "custom"
 
-        def decode_layer(self, rid, layer, q, k=None):
-            raise NotImplementedError
+        def _on_step(self, st):
+            return RowStep(Kind.EXACT)
 
     register_policy("custom", Custom)
     assert "custom" in available_policies()
-    assert isinstance(get_policy("custom", PARAMS, SHAPE), Custom)
+    assert isinstance(get_policy("custom", CFG, SHAPE), Custom)
 
 
-# ------------------------------------------------------------------ params
+# ------------------------------------------------------------------ config
 
 
 @pytest.mark.parametrize(
@@ -106,16 +114,16 @@ def test_register_rejects_duplicates_and_accepts_new(monkeypatch):
     ],
     ids=lambda v: str(v),
 )
-def test_params_validation_names_flag_and_range(field, value, flag, lo):
+def test_config_validation_names_flag_and_range(field, value, flag, lo):
     with pytest.raises(ValueError) as err:
-        SparseParams(**{field: value})
+        DecodeConfig(**{field: value})
     assert str(err.value) == f"{flag} {value!r} is invalid; valid range: integers >= {lo}"
 
 
-def test_params_defaults_and_frozen():
-    p = SparseParams()
-    assert (p.budget, p.sink, p.window, p.nd, p.first_select_step, p.min_context) == (
-        1024, 4, 64, 16, 16, 2048,
+def test_config_defaults_and_frozen():
+    p = DecodeConfig()
+    assert (p.mode, p.budget, p.sink, p.window, p.nd, p.first_select_step, p.min_context) == (
+        "exact", 1024, 4, 64, 16, 16, 2048,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.budget = 5
@@ -127,8 +135,8 @@ def test_params_defaults_and_frozen():
     ids=["below-min", "covered-by-budget", "tiny", "just-sparse", "long"],
 )
 def test_use_exact(seq_len, exact):
-    p = dataclasses.replace(PARAMS, min_context=20, budget=26)  # 26 + 2 + 4 = 32
-    assert use_exact(seq_len, p) is exact
+    p = dataclasses.replace(CFG, min_context=20, budget=26)  # 26 + 2 + 4 = 32
+    assert p.use_exact(seq_len) is exact
 
 
 # ------------------------------------------------------------------ scoring
@@ -157,11 +165,29 @@ def test_score_history_equals_naive_softmax(heads, causal):
     q = torch.randn(5, hq, 8, generator=g)
     k = torch.randn(40, hkv, 8, generator=g)
     q_pos = torch.tensor([20, 31, 35, 38, 39]) if causal else None
-    got = score_history(q, k, 8**-0.5, q_pos)
+    got = score_history(q[None], k[None], 8**-0.5, None if q_pos is None else q_pos[None])[0]
     assert got.shape == (hkv, 40) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), naive_scores(q, k, 8**-0.5, q_pos), rtol=1e-5, atol=1e-6)
     # Each query head contributes total mass 1.
     torch.testing.assert_close(got.sum(), torch.tensor(5.0 * hq))
+
+
+def test_score_history_batches_ragged_rows_and_unused_queries():
+    """Rows of different histories (padded keys) and ring entries not yet filled
+    (position -1): each row scores as if alone, unused queries add nothing."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k = torch.randn(2, 50, 2, 8, generator=g)
+    q_pos = torch.tensor([[20, 25, 29, -1], [40, 45, 48, 49]])
+    lens = torch.tensor([30, 50])
+    k[0, 30:] = float("nan")  # padding is never read into a score
+    got = score_history(q, k, 8**-0.5, q_pos, lens)
+    assert got.shape == (2, 2, 50) and not torch.isnan(got).any()
+    want0 = naive_scores(q[0, :3], k[0, :30], 8**-0.5, q_pos[0, :3])
+    torch.testing.assert_close(got[0, :, :30].double(), want0, rtol=1e-5, atol=1e-6)
+    assert (got[0, :, 30:] == 0).all()
+    want1 = naive_scores(q[1], k[1], 8**-0.5, q_pos[1])
+    torch.testing.assert_close(got[1].double(), want1, rtol=1e-5, atol=1e-6)
 
 
 def test_score_history_bf16_keys_close_to_fp32():
@@ -172,46 +198,53 @@ def test_score_history_bf16_keys_close_to_fp32():
     k = torch.randn(2000, 3, 64, generator=g)
     u = q.reshape(16, 3, 3, 64).mean((0, 2))  # [Hkv, D] the group's mean query
     k[[100, 700, 1500]] = 12 * u / u.norm(dim=-1, keepdim=True)  # planted keys
-    q_pos = torch.arange(1984, 2000)
-    ref = score_history(q, k, 64**-0.5, q_pos)
-    got = score_history(q.bfloat16(), k.bfloat16(), 64**-0.5, q_pos)
+    q_pos = torch.arange(1984, 2000)[None]
+    ref = score_history(q[None], k[None], 64**-0.5, q_pos)[0]
+    got = score_history(q[None].bfloat16(), k[None].bfloat16(), 64**-0.5, q_pos)[0]
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.mean().item())
     assert got.topk(3).indices.sort().values.tolist() == [[100, 700, 1500]] * 3
 
 
-def test_select_topk_excludes_sink_and_window():
-    scores = torch.arange(20.0).repeat(2, 1)  # highest at the end: inside the window
-    sel = select_topk(scores, budget=5, lo=2, hi=15)
-    assert sel.tolist() == [[10, 11, 12, 13, 14]] * 2
-    assert select_topk(scores, budget=50, lo=2, hi=6).tolist() == [[2, 3, 4, 5]] * 2
-    assert select_topk(scores, budget=5, lo=6, hi=6).shape == (2, 0)
+def test_select_topk_excludes_sink_and_window_per_row():
+    scores = torch.arange(20.0).repeat(2, 2, 1)  # highest at the end: inside the window
+    sel = select_topk(scores, 5, lo=torch.tensor([2, 0]), hi=torch.tensor([15, 8]))
+    assert sel.tolist() == [[[10, 11, 12, 13, 14]] * 2, [[3, 4, 5, 6, 7]] * 2]
+    with pytest.raises(ValueError, match="needs >= 5 candidates"):
+        select_topk(scores, 5, lo=torch.tensor([2, 2]), hi=torch.tensor([6, 15]))
 
 
-# ------------------------------------------------------------------ exact / streaming
+# ------------------------------------------------------------------ slot table
 
 
-def test_exact_is_always_dense():
-    pol = get_policy("exact", PARAMS, SHAPE)
-    pol.start("r", 5000)
-    assert pol.step("r", 5001) is False
-    sub = pol.decode_layer("r", 0, torch.zeros(SHAPE.num_q_heads, SHAPE.head_dim))
-    assert sub.dense and sub.sel_idx.shape == (SHAPE.num_kv_heads, 0)
-    assert pol.release("r") and pol.live_states == 0
+def test_slot_table_reuses_slots_and_grows_keeping_rows():
+    t = SlotTable(2, {"x": BufferSpec((3,), torch.int64, -1)}, capacity=2)
+    a, b = t.acquire("a"), t.acquire("b")
+    assert (a, b) == (0, 1) and len(t) == 2
+    t.write("x", 1, torch.tensor([a, b]), torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    c = t.acquire("c")  # full: doubles, rows kept
+    assert t.capacity == 4 and c == 2
+    assert t.rows("x", 1, torch.tensor([b, a])).tolist() == [[4, 5, 6], [1, 2, 3]]
+    assert t.rows("x", 0, torch.tensor([c])).tolist() == [[-1, -1, -1]]
+    assert t.release("a") and not t.release("a")
+    assert t.acquire("d") == a  # freed slots are reused
+    with pytest.raises(ValueError, match="already holds slot"):
+        t.acquire("d")
+
+
+# ------------------------------------------------------------------ streaming
 
 
 def test_streaming_is_sink_plus_recent_window():
-    pol = get_policy("streaming", PARAMS, SHAPE)
-    q = torch.zeros(SHAPE.num_q_heads, SHAPE.head_dim)
+    pol = get_policy("streaming", CFG, SHAPE)
     pol.start("short", 10)
-    pol.step("short", 11)
-    assert pol.decode_layer("short", 0, q).dense
+    assert pol.step("short", 11).kind == Kind.EXACT
     pol.start("long", 100)
     for seq_len in (101, 102):
-        assert pol.step("long", seq_len) is False
-        sub = pol.decode_layer("long", 1, q)
-        assert sub.recent_start == seq_len - PARAMS.window
-        assert sub.sel_idx.shape == (SHAPE.num_kv_heads, 0) and not sub.dense
+        row = pol.step("long", seq_len)
+        assert row == RowStep(Kind.SPARSE, seq_len - CFG.window)
+        assert pol.width == 0
+        assert pol.selection(1, torch.tensor([0])).shape == (1, SHAPE.num_kv_heads, 0)
     pol.release("short"), pol.release("long")
     assert pol.live_states == 0
 
@@ -223,9 +256,9 @@ def test_streaming_is_sink_plus_recent_window():
 def test_snapkv_selects_planted_key_outside_sink_and_window(pool_kind):
     from sgl_spec.sparse.snapkv import SnapKVPolicy
 
-    n, w = 120, PARAMS.window
+    n, w = 120, CFG.window
     dirs = unit_dirs(1)
-    pol = SnapKVPolicy(PARAMS, SHAPE, pool_kind=pool_kind)
+    pol = SnapKVPolicy(CFG, SHAPE, pool_kind=pool_kind)
     pol.start("r", n)
     k = noise_keys(n, 2)
     planted = 57
@@ -235,70 +268,66 @@ def test_snapkv_selects_planted_key_outside_sink_and_window(pool_kind):
     q_obs = torch.stack([aligned_query(dirs, s) for s in range(w)])  # [w, Hq, D]
     for layer in range(SHAPE.num_layers):
         pol.prefill_layer("r", layer, q_obs, k)
-    assert pol.step("r", n + 1) is False
-    sub = pol.decode_layer("r", 0, q_obs[-1])
-    assert sub.recent_start == n - w
-    assert_valid_selection(sub, n + 1, PARAMS)
-    assert sub.sel_idx.shape == (SHAPE.num_kv_heads, PARAMS.budget)
-    assert (sub.sel_idx == planted).any(dim=1).all(), sub.sel_idx
+    row, sels = decode_step(pol, "r", n + 1, lambda layer: q_obs[-1], None)
+    assert row == RowStep(Kind.SPARSE, n - w) and len(sels) == SHAPE.num_layers
+    for sel in sels:
+        assert_valid_selection(sel, row, n + 1)
+        assert (sel == planted).any(dim=1).all(), sel
     # The selection stays fixed while the window grows with generated tokens.
-    pol.step("r", n + 2)
-    again = pol.decode_layer("r", 0, q_obs[-1])
-    assert again.recent_start == sub.recent_start and torch.equal(again.sel_idx, sub.sel_idx)
+    row2, again = decode_step(pol, "r", n + 2, lambda layer: q_obs[-1], None)
+    assert row2.recent_start == row.recent_start and torch.equal(again[0], sels[0])
     pol.release("r")
     assert pol.live_states == 0
 
 
-def test_snapkv_short_prompt_is_dense():
-    pol = get_policy("snapkv", PARAMS, SHAPE)
+def test_snapkv_short_prompt_is_exact_and_unscored_prompts_fail_loudly():
+    pol = get_policy("snapkv", CFG, SHAPE)
     pol.start("r", 20)
     pol.prefill_layer("r", 0, torch.zeros(4, 6, 16), torch.zeros(20, 2, 16))
-    pol.step("r", 21)
-    assert pol.decode_layer("r", 0, torch.zeros(6, 16)).dense
+    assert pol.step("r", 21).kind == Kind.EXACT
+    pol.start("long", 100)  # never scored: decoding it would attend garbage
+    with pytest.raises(RuntimeError, match="scored 0 of 2 layers"):
+        pol.step("long", 101)
 
 
 # ------------------------------------------------------------------ loopserve
 
 
 def run_loopserve(pol, rid, prompt_len, steps, keys_of, q_of):
-    """Drive ``steps`` decode steps; returns [(step, reselected, [Subset per layer])]."""
+    """Drive ``steps`` decode steps; returns [(step, RowStep, [selection per layer])]."""
     log = []
     pol.start(rid, prompt_len)
     for s in range(steps):
         seq_len = prompt_len + 1 + s
-        reselect = pol.step(rid, seq_len)
-        subs = [
-            pol.decode_layer(rid, layer, q_of(s, layer), keys_of(seq_len, layer) if reselect else None)
-            for layer in range(SHAPE.num_layers)
-        ]
-        log.append((s, reselect, subs))
+        row, sels = decode_step(pol, rid, seq_len, lambda layer: q_of(s, layer),
+                                lambda layer: keys_of(seq_len, layer))
+        log.append((s, row, sels))
     return log
 
 
 def test_loopserve_reselects_at_16_32_48():
-    pol = get_policy("loopserve", PARAMS, SHAPE)
+    pol = get_policy("loopserve", CFG, SHAPE)
     keys = noise_keys(200, 3)
     log = run_loopserve(
         pol, "r", 100, 60,
         keys_of=lambda n, layer: keys[:n],
         q_of=lambda s, layer: aligned_query(unit_dirs(s), s),
     )
-    assert [s for s, re, _ in log if re] == [16, 32, 48]
-    for s, _, subs in log:
+    assert [s for s, row, _ in log if row.reselect] == [16, 32, 48]
+    for s, row, sels in log:
         seq_len = 100 + 1 + s
-        for sub in subs:
-            if s < 16:
-                assert sub.dense
-                continue
-            last_sel = 16 + (s - 16) // 16 * 16
-            assert sub.recent_start == 100 + 1 + last_sel - PARAMS.window
-            assert sub.sel_idx.shape == (SHAPE.num_kv_heads, PARAMS.budget)
-            assert_valid_selection(sub, seq_len, PARAMS)
+        if s < 16:
+            assert row.kind == Kind.OBSERVE and row.observe == s % CFG.nd and not sels
+            continue
+        last_sel = 16 + (s - 16) // 16 * 16
+        assert row.kind == Kind.SPARSE and row.recent_start == 100 + 1 + last_sel - CFG.window
+        for sel in sels:
+            assert_valid_selection(sel, row, seq_len)
     assert pol.release("r") and pol.live_states == 0
 
 
 def test_loopserve_selects_planted_keys_per_layer():
-    pol = get_policy("loopserve", PARAMS, SHAPE)
+    pol = get_policy("loopserve", CFG, SHAPE)
     dirs = unit_dirs(7)
     keys = [noise_keys(300, 10 + layer) for layer in range(SHAPE.num_layers)]
     planted = [40, 81]  # one per layer
@@ -309,18 +338,18 @@ def test_loopserve_selects_planted_keys_per_layer():
         keys_of=lambda n, layer: keys[layer][:n],
         q_of=lambda s, layer: aligned_query(dirs, 100 * layer + s),
     )
-    _, reselected, subs = log[16]
-    assert reselected
+    _, row, sels = log[16]
+    assert row.reselect
     for layer, p in enumerate(planted):
         other = planted[1 - layer]
-        assert (subs[layer].sel_idx == p).any(dim=1).all()
-        assert not (subs[layer].sel_idx == other).any()
+        assert (sels[layer] == p).any(dim=1).all()
+        assert not (sels[layer] == other).any()
     pol.release("r")
 
 
 def test_loopserve_selection_sees_the_current_query():
     """Only the query of the selecting step points at the planted key."""
-    pol = get_policy("loopserve", PARAMS, SHAPE)
+    pol = get_policy("loopserve", CFG, SHAPE)
     dirs = unit_dirs(5)
     keys = noise_keys(300, 6)
     keys[123] = 4.0 * dirs
@@ -331,44 +360,55 @@ def test_loopserve_selection_sees_the_current_query():
         q_of=lambda s, layer: aligned_query(dirs, s, strength=6.0) if s == 16
         else 0.1 * torch.randn(SHAPE.num_q_heads, SHAPE.head_dim, generator=g),
     )
-    assert (log[16][2][0].sel_idx == 123).any(dim=1).all()
+    assert (log[16][2][0] == 123).any(dim=1).all()
     pol.release("r")
 
 
-def test_loopserve_short_history_stays_dense():
-    pol = get_policy("loopserve", PARAMS, SHAPE)
+def test_loopserve_reused_slot_ignores_the_previous_owners_ring():
+    """A request whose ring is not full yet at its first selection (nd > steps taken)
+    scores with its own queries only, not stale ones a released request left."""
+    cfg = dataclasses.replace(CFG, nd=32, first_select_step=16)
+    pol = get_policy("loopserve", cfg, SHAPE)
+    dirs = unit_dirs(9)
+    keys = noise_keys(300, 11)
+    keys[77] = 4.0 * dirs
+    run_loopserve(pol, "old", 200, 31, lambda n, layer: keys[:n],
+                  lambda s, layer: aligned_query(dirs, s, strength=8.0))  # ring full of dirs
+    pol.release("old")
+    g = torch.Generator().manual_seed(1)
+    log = run_loopserve(pol, "new", 200, 17, lambda n, layer: keys[:n],
+                        lambda s, layer: 0.1 * torch.randn(SHAPE.num_q_heads, SHAPE.head_dim,
+                                                           generator=g))
+    assert pol.state("new").slot == 0  # the old request's slot
+    assert not (log[16][2][0] == 77).any(dim=1).all()
+    pol.release("new")
+
+
+def test_loopserve_short_history_stays_exact():
+    pol = get_policy("loopserve", CFG, SHAPE)
     log = run_loopserve(
         pol, "r", 5, 40,
         keys_of=lambda n, layer: noise_keys(n, 0),
         q_of=lambda s, layer: torch.zeros(SHAPE.num_q_heads, SHAPE.head_dim),
     )
     # 5 + 1 + 16 = 22 < min_context 32 at step 16: dense; at step 32 (38) it selects.
-    assert [s for s, re, _ in log if re] == [32]
-    assert all(sub.dense for s, _, subs in log if s < 32 for sub in subs)
-    assert not log[32][2][0].dense
-    pol.release("r")
-
-
-def test_loopserve_needs_keys_when_reselecting():
-    pol = get_policy("loopserve", PARAMS, SHAPE)
-    pol.start("r", 100)
-    for s in range(16):
-        pol.step("r", 101 + s)
-    assert pol.step("r", 117) is True
-    with pytest.raises(ValueError, match="needs k"):
-        pol.decode_layer("r", 0, torch.zeros(6, 16))
+    # Steps whose query no sparse selection will score need no per-layer work at all.
+    assert [s for s, row, _ in log if row.reselect] == [32]
+    kinds = [row.kind for _, row, _ in log]
+    assert kinds[:11] == [Kind.EXACT] * 11  # 5 + 1 + s + 15 < 32
+    assert set(kinds[11:32]) == {Kind.OBSERVE} and set(kinds[32:]) == {Kind.SPARSE}
     pol.release("r")
 
 
 # ------------------------------------------------------------------ lifetime
 
 
-@pytest.mark.parametrize("name", ["exact", "streaming", "snapkv", "loopserve"])
+@pytest.mark.parametrize("name", POLICIES)
 def test_state_lifetime(name):
-    pol = get_policy(name, PARAMS, SHAPE)
+    pol = get_policy(name, CFG, SHAPE)
     for i in range(3):
         pol.start(f"r{i}", 50)
-    assert pol.live_states == 3
+    assert pol.live_states == 3 and len(pol.slots) == 3
     with pytest.raises(ValueError, match="already has a live"):
         pol.start("r1", 50)
     assert pol.release("r1") is True
@@ -376,26 +416,26 @@ def test_state_lifetime(name):
     with pytest.raises(KeyError, match="no live"):
         pol.step("r1", 51)
     pol.release("r0"), pol.release("r2")
-    assert pol.live_states == 0
+    assert pol.live_states == 0 and len(pol.slots) == 0
 
 
 # ------------------------------------------------------------------ policy -> kernel
 
 
-def test_loopserve_subsets_feed_the_kernel():
-    """Packed policy subsets satisfy the kernel's contract (the reference asserts it)."""
-    pol = get_policy("loopserve", PARAMS, SHAPE)
+def test_loopserve_selections_feed_the_kernel():
+    """Batched selections satisfy the kernel's contract (the reference asserts it)."""
+    pol = get_policy("loopserve", CFG, SHAPE)
     hkv, d = SHAPE.num_kv_heads, SHAPE.head_dim
     prompts = {"a": 150, "b": 90}
     keys = {rid: noise_keys(n + 20, 20 + n) for rid, n in prompts.items()}
-    subs = {}
+    rows = {}
     for rid, n in prompts.items():
         log = run_loopserve(
             pol, rid, n, 17,
             keys_of=lambda m, layer, rid=rid: keys[rid][:m],
             q_of=lambda s, layer: aligned_query(unit_dirs(s), s),
         )
-        subs[rid] = log[16][2][0]
+        rows[rid] = log[16][1]
     rids = list(prompts)
     seq_lens = torch.tensor([prompts[r] + 17 for r in rids])
     # Pool: request b's position p lives in slot offset_b + p.
@@ -408,14 +448,13 @@ def test_loopserve_subsets_feed_the_kernel():
         k_buf[offsets[b] : offsets[b] + n] = keys[rid][:n]
         v_buf[offsets[b] : offsets[b] + n] = torch.randn(n, hkv, d)
         req_to_token[b, :n] = torch.arange(offsets[b], offsets[b] + n)
-    packed = pack_subsets([subs[r] for r in rids], hkv, "cpu")
-    assert packed.sel_len.tolist() == [[PARAMS.budget] * hkv] * 2
-    args = (
-        torch.randn(2, SHAPE.num_q_heads, d), k_buf, v_buf, req_to_token,
-        torch.tensor([0, 1]), seq_lens, *packed,
-    )
-    ref = sparse_decode_reference(*args, sink=PARAMS.sink, scale=SHAPE.sm_scale)
-    out = sparse_decode(*args, sink=PARAMS.sink, scale=SHAPE.sm_scale, impl="torch")
+    slots = torch.tensor([pol.state(r).slot for r in rids])
+    sub = DecodeSubsets(req_to_token, torch.tensor([0, 1]), seq_lens, pol.selection(0, slots),
+                        torch.full((2, hkv), CFG.budget),
+                        torch.tensor([rows[r].recent_start for r in rids]), CFG.sink)
+    q = torch.randn(2, SHAPE.num_q_heads, d)
+    ref = sparse_decode_reference(q, k_buf, v_buf, sub, scale=SHAPE.sm_scale)
+    out = sparse_decode(q, k_buf, v_buf, sub, scale=SHAPE.sm_scale)  # head_dim 16: torch
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     for rid in rids:
         pol.release(rid)

@@ -16,6 +16,7 @@ QUESTION = "What is the capital of France?"
 FACT = Fact(turn=0, colour="golden", object="lighthouse", kind="number", value="4817")
 SPARSE = 'sgl_spec:sparse_prefill_extends_total{path="sparse"}'
 EXACT = 'sgl_spec:sparse_prefill_extends_total{path="exact"}'
+SEEDED = "sgl_spec:sparse_prefill_seeded_extends_total"
 
 
 def chatml(user: str) -> str:
@@ -40,7 +41,7 @@ def generate(url: str, text: str, max_new_tokens: int) -> dict:
 def extends(url: str) -> dict[str, float]:
     out = {}
     for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("sgl_spec:sparse_prefill_extends_total"):
+        if line.startswith(("sgl_spec:sparse_prefill_extends_total", SEEDED)):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
@@ -88,3 +89,20 @@ class TestSparsePrefill:
         assert out["meta_info"]["prompt_tokens"] < 256
         assert out["output_ids"] == reference["short"]["output_ids"]
         assert delta(after, before, SPARSE) == 0 and delta(after, before, EXACT) == 1
+
+    def test_next_turn_is_seeded_with_the_lines_kept_on_the_tree(self, servers, hf_tok):
+        """LoopServe prefill with reuse runs the turn-tagged tree core: turn 1's lines
+        become a payload of its node, and turn 2, which continues it, selects seeded."""
+        server, prompts, _ = servers
+        cache = requests.get(server.url + "/sgl_spec/cache", timeout=30).json()
+        assert cache["tree_core"] == "tagged" and cache["eviction_policy"] == "lru"
+        first = generate(server.url, prompts["long"], 8)
+        follow_up = corpus.document(hf_tok, 400, seed=12)
+        second = (prompts["long"] + first["text"] + "<|im_end|>\n"
+                  + chatml(f"{follow_up}\n\nWhat was the secret number?"))
+        before = extends(server.url)
+        out = generate(server.url, second, 8)
+        after = extends(server.url)
+        assert out["meta_info"]["cached_tokens"] >= first["meta_info"]["prompt_tokens"]
+        assert delta(after, before, SPARSE) >= 1
+        assert delta(after, before, SEEDED) >= 1

@@ -3,9 +3,11 @@
 Property-based: random multi-turn workloads (shared system prompts, branching
 conversations, reasoning spans, evictions under a small pool, requests held open
 across others) run through stock sglang's UnifiedRadixCache (its default Rust
-tree core and its Python one) and sgl_spec's SpecRadixCache side by side. Under
-LRU, every match length and evicted-token count must be identical, and the turn
-invariants must hold after every operation.
+tree core and its Python one), sgl_spec's cache with default flags (the compiled
+core) and its turn-tagged core, side by side. Under LRU, every match length and
+evicted-token count must be identical, the turn invariants must hold after every
+operation, and the summary the compiled core derives on demand must equal the
+tagged core's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from _turn_cache import (
     match, turn,
 )
 from sgl_spec.cache.segment import segment
-from sgl_spec.cache.tree_core import is_closed
+from sgl_spec.integration.tree_core import is_closed
 
 POOL = 420
 
@@ -73,6 +75,17 @@ def check_turn_invariants(cache) -> None:
     assert total == cache.evictable_size() + cache.protected_size()
 
 
+def branch_view(summary: dict) -> list:
+    """A summary's branches without access times or node ids, in a stable order."""
+    out = []
+    for b in summary["branches"]:
+        rounds = [(r["round"], r["tokens"], r["device_tokens"],
+                   [(t["role"], t["tokens"], t["reasoning_tokens"]) for t in r["turns"]])
+                  for r in b["rounds"]]
+        out.append((b["tokens"], b["exclusive_tokens"], rounds))
+    return sorted(out)
+
+
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("turn"), st.integers(0, 5), st.integers(0, 3),
@@ -90,10 +103,10 @@ OPS = st.lists(
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=OPS)
 def test_lru_matches_stock_step_by_step(ops):
-    post_cut = build("spec", POOL)
+    post_cut = build("tagged", POOL)
     post_cut[0].tree_core.precuts = False  # cut after the insert (the SWA/paged path)
     caches = [build("stock", POOL), build("stock", POOL, tree_core="python"),
-              build("spec", POOL), post_cut]
+              build("tagged", POOL), post_cut, build("spec", POOL)]
     convs: list[list] = []
     opened: list[list[Request]] = []
     for op in ops:
@@ -136,11 +149,17 @@ def test_lru_matches_stock_step_by_step(ops):
         assert len(set(sizes)) == 1, sizes
         check_turn_invariants(caches[2][0])
         check_turn_invariants(caches[3][0])
+        tagged, compiled = caches[2][0].summary(), caches[4][0].summary()
+        assert compiled["tree_core"] == "compiled" and tagged["tree_core"] == "tagged"
+        assert compiled["totals"]["by_role"] == tagged["totals"]["by_role"]
+        assert compiled["totals"]["by_tier"] == tagged["totals"]["by_tier"]
+        if tagged["num_branches"] <= 64:  # all branches listed
+            assert branch_view(compiled) == branch_view(tagged)
     while opened:
         assert len({r.finish() for r in opened.pop()}) == 1
     for cache, _ in caches:
         assert cache.protected_size() == 0  # lock counts balanced
-    for cache, _ in caches[2:]:
+    for cache, _ in caches[2:4]:
         stack = list(cache.tree_core.root_node.children.values())
         while stack:
             node = stack.pop()
@@ -212,7 +231,7 @@ def test_turn_eviction_never_evicts_locked_nodes():
 
 
 def test_lru_policy_counts_everything_as_lru():
-    cache, alloc = build("spec", 2000)
+    cache, alloc = build("tagged", 2000)
     _chat(cache, alloc, 0, rounds=3, think=True, base=20)
     total = cache.evictable_size()
     assert evict(cache, 10_000) == total
@@ -221,17 +240,16 @@ def test_lru_policy_counts_everything_as_lru():
 
 
 def test_cache_eviction_flag_rejects_unknown_policies(capsys):
-    from sgl_spec.config import SpecConfig
+    from sgl_spec.config import CacheConfig
     from sgl_spec.launch_server import split_argv
 
     with pytest.raises(ValueError, match="--spec-cache-eviction 'fifo'.*lru, turn"):
-        SpecConfig(cache_eviction="fifo")
+        CacheConfig(eviction="fifo")
     with pytest.raises(SystemExit) as exc:
         split_argv(["--spec-cache-eviction", "fifo"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--spec-cache-eviction" in err and "'lru'" in err and "'turn'" in err
     cfg, rest = split_argv(["--spec-cache-eviction", "turn", "--tp-size", "1"])
-    assert cfg.cache_eviction == "turn" and rest == ["--tp-size", "1"]
-    with pytest.raises(ValueError, match="valid values: lru, turn"):
-        build("spec", 64, eviction="fifo")
+    assert cfg.cache.eviction == "turn" and rest == ["--tp-size", "1"]
+    assert cfg.tagged_cache  # turn eviction reads tags: the tagged core

@@ -1,14 +1,17 @@
-"""Turn formats derived from chat templates, and the token scan that uses them."""
+"""Turn formats derived from chat templates, the token scan that uses them, and the
+tree summary derived from them on demand (no sglang needed)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from _turn_cache import END_THINK, FMT, IM_END, IM_START, NL, THINK, USER, turn
-from sgl_spec.cache.rounds import RequestRounds
+from _turns import END_THINK, FMT, IM_END, IM_START, NL, THINK, USER, turn
+
 from sgl_spec.cache.segment import UNTAGGED, TurnTag, segment
+from sgl_spec.cache.summary import Segment, summary, totals
 from sgl_spec.cache.turn_format import TurnFormat, derive
 
 DATA = Path(__file__).parent / "data"
@@ -108,16 +111,54 @@ def test_derive_reasoning_template_drops_history_reasoning(hf_tok):
     assert hf_tok.decode(ids[think[0].start:think[0].end]) == "<think>\nthe user greets\n</think>"
 
 
-def test_request_rounds_lookup_and_release():
-    rounds = RequestRounds(FMT, capacity=2)
-    prompt = turn("user", [30, 31]) + [IM_START, 5, NL]
-    rounds.observe("a", prompt)
-    spans = rounds.get("a", seq_len=len(prompt) + 7)
-    assert [(s.role, s.round) for s in spans] == [("user", 1), ("assistant", 1)]
-    assert spans[-1].end == len(prompt) + 7  # generated tokens join the open turn
-    rounds.observe("b", prompt)
-    rounds.observe("c", prompt)
-    assert rounds.get("a") is None and len(rounds) == 2  # capacity bound
-    rounds.release("b")
-    rounds.release("c")
-    assert len(rounds) == 0
+def _seg(sid, parent, tokens, tier="device", atime=float("nan")):
+    return Segment(sid, parent, np.array(tokens, dtype=np.int64), tier, atime)
+
+
+def test_summary_derives_rounds_of_each_branch_on_demand():
+    """Two conversations share a system prompt; one forks after its first answer.
+    Segments cut anywhere (here mid-turn): rounds come from the tokens, not the cuts."""
+    system = turn("system", [20])
+    q1, a1 = turn("user", [30, 31]), turn("assistant", [40], reasoning=[50, 51])
+    q2, q2b = turn("user", [32]), turn("user", [33, 34, 35])
+    head = system + q1 + a1
+    segs = [
+        _seg(1, None, head[:7], atime=100.0),
+        _seg(2, 1, head[7:], "host", atime=101.0),
+        _seg(3, 2, q2, atime=105.0),
+        _seg(4, 2, q2b, atime=103.0),
+        _seg(5, None, [70, 71, 72], None),  # raw text; a tombstone (no tier)
+    ]
+    s = summary(segs, FMT, tree_core="compiled", eviction="lru", freed_by_rule={"lru": 3},
+                now=110.0)
+    assert s["num_branches"] == 3 and s["tree_core"] == "compiled"
+    newest = s["branches"][0]
+    assert newest["leaf_node"] == 3 and newest["last_access_s_ago"] == 5.0
+    assert newest["exclusive_tokens"] == len(q2)
+    rounds = newest["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[0]["turns"] == [{"turn": 0, "role": "system", "tokens": len(system),
+                                   "reasoning_tokens": 0}]
+    assert [t["role"] for t in rounds[1]["turns"]] == ["user", "assistant"]
+    assert rounds[1]["turns"][1]["reasoning_tokens"] == 4  # <think> 50 51 </think>
+    assert rounds[1]["tier"] == "mixed" and rounds[2]["tier"] == "device"
+    assert rounds[0]["last_access_s_ago"] == 10.0  # only segment 1 holds round 0
+    assert rounds[1]["device_tokens"] + rounds[1]["host_tokens"] == len(q1) + len(a1)
+    raw = s["branches"][-1]
+    assert raw["last_access_s_ago"] is None and raw["rounds"][0]["tier"] == "device"
+    assert raw["rounds"][0]["turns"][0]["role"] is None
+    t = s["totals"]  # every token once, shared prefix included
+    assert t["by_tier"] == {"device": 7 + len(q2) + len(q2b), "host": len(head) - 7}
+    assert sum(t["by_role"].values()) == len(head) + len(q2) + len(q2b)
+    assert t["by_role"]["reasoning"] == 4 and "untagged" not in t["by_role"]
+    assert s["freed_tokens_by_rule"] == {"lru": 3}
+
+
+def test_summary_without_a_turn_format_is_untagged():
+    segs = [_seg(1, None, [5, 6, 7]), _seg(2, 1, [8])]
+    s = summary(segs, None, tree_core="tagged", eviction="lru", freed_by_rule={})
+    (b,) = s["branches"]
+    assert b["tokens"] == 4 and b["rounds"][0]["turns"][0]["role"] is None
+    assert totals(segs, None)["by_role"] == {"untagged": 4}
+    assert summary([], FMT, tree_core="compiled", eviction="lru",
+                   freed_by_rule={})["num_branches"] == 0

@@ -203,7 +203,7 @@ def test_cpu_slash_kernel_builds_and_is_the_default():
 
 
 def test_cpu_slash_kernel_off_by_env(monkeypatch):
-    monkeypatch.setenv("SGLSPEC_VSLASH_CPU_KERNEL", "0")
+    monkeypatch.setenv("SGLSPEC_CPU_KERNELS", "0")
     assert cpu_kernel.load_kernel() is None
     q, k, v = make_qkv(20, 10, 2, 1, 64, torch.float32)
     lines = make_lines_kind("mixed", 1, 20, 10)
@@ -212,7 +212,7 @@ def test_cpu_slash_kernel_off_by_env(monkeypatch):
     out = get_impl("torch")(q, k, v, lines, 10)  # auto: the torch-ops path
     ref = vslash_attention_ref(q.double(), k.double(), v.double(), lines, 10)
     assert rel_err(out, ref) <= TOL[torch.float32]
-    monkeypatch.setenv("SGLSPEC_VSLASH_CPU_KERNEL", "yes")
+    monkeypatch.setenv("SGLSPEC_CPU_KERNELS", "yes")
     with pytest.raises(ValueError, match="valid values: auto, 0, 1"):
         cpu_kernel.load_kernel()
 
@@ -385,7 +385,7 @@ def planted():
 
 
 def test_sample_queries():
-    cfg = SelectConfig(last_q=64, strided_q=64)
+    cfg = SelectConfig(alpha=0.97, last_q=64, strided_q=64)
     rows = sample_queries(1000, cfg)
     assert rows.tolist() == sorted(set(rows.tolist()))
     assert rows[-64:].tolist() == list(range(936, 1000)) and rows[0] == 0
@@ -444,9 +444,9 @@ def test_recovered_mass(planted):
     [
         ({"alpha": 0.0}, "alpha"),
         ({"alpha": 1.5}, "alpha"),
-        ({"local": -1}, "local"),
-        ({"last_q": 0, "strided_q": 0}, "no query"),
-        ({"max_lines_per_round": 0}, "max_lines_per_round"),
+        ({"alpha": 0.97, "local": -1}, "local"),
+        ({"alpha": 0.97, "last_q": 0, "strided_q": 0}, "no query"),
+        ({"alpha": 0.97, "max_lines_per_round": 0}, "max_lines_per_round"),
     ],
     ids=["alpha0", "alpha1.5", "local-1", "no_sample", "round0"],
 )

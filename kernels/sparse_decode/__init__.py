@@ -1,18 +1,22 @@
-"""Sparse decode attention with a KV budget: attend to sink + selection + recent window.
+"""Decode attention over a KV subset: sink + selection + recent window, or everything.
 
-``sparse_decode(...)`` dispatches to one implementation:
+``sparse_decode(q, k_buf, v_buf, subsets, scale=...)`` reads the K/V of each
+request's subset (``common.DecodeSubsets``, one argument object built once per
+forward pass) from the paged pool and dispatches to one implementation:
 
-* ``torch``: batched gathers and matmuls, the CPU path (``torch_impl``);
+* ``cpu``: the C++ kernel (``cpu_impl``), the CPU serving path; reads pool rows in
+  place, exact softmax, split over threads;
+* ``torch``: batched gathers and matmuls, or SDPA's fused kernel for dense subsets
+  (``torch_impl``); any device, the fallback where the C++ kernel cannot be built;
 * ``triton``: one Triton program per (request, KV head) (``triton_impl``); CUDA, or
   CPU under ``TRITON_INTERPRET=1``;
 * ``flashinfer``: FlashInfer's paged decode with one page list per (request, KV head)
   (``flashinfer_impl``); CUDA only. A serving loop that runs many layers per batch
   keeps a ``FlashInferSparseDecode`` (plan once, run per layer) instead.
 
+``impl=None`` picks ``cpu`` where the C++ kernel takes the call, else ``torch``.
 ``reference.sparse_decode_reference`` is the slow per-head oracle the tests compare
-every implementation with. The subset contract (what is attended, what may overlap)
-is in ``common``. Implementations are imported on first use (triton, flashinfer are
-heavy and optional).
+every implementation with. Implementations are imported on first use.
 """
 
 from __future__ import annotations
@@ -21,46 +25,46 @@ import importlib
 
 import torch
 
-from .common import check_inputs, subset_positions
+from .common import DecodeSubsets, check_inputs, dense_subsets, subset_positions
 
 # impl name -> (module, function)
 _IMPLS = {
+    "cpu": ("cpu_impl", "sparse_decode_cpu"),
     "torch": ("torch_impl", "sparse_decode_torch"),
     "triton": ("triton_impl", "sparse_decode_triton"),
     "flashinfer": ("flashinfer_impl", "sparse_decode_flashinfer"),
 }
 IMPLS = tuple(_IMPLS)
 
-__all__ = ["IMPLS", "check_inputs", "sparse_decode", "subset_positions"]
+__all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "default_impl", "dense_subsets",
+           "sparse_decode", "subset_positions"]
+
+
+def default_impl(q: torch.Tensor, k_buf: torch.Tensor) -> str:
+    """``cpu`` where the C++ kernel takes (q, k_buf), else ``torch``."""
+    from .cpu_impl import supported
+
+    return "cpu" if supported(q, k_buf) else "torch"
 
 
 def sparse_decode(
     q: torch.Tensor,  # [B, Hq, D], fp32 / fp16 / bf16
     k_buf: torch.Tensor,  # [num_slots, Hkv, D], one layer's K pool
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv], one layer's V pool
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32: (req row, position) -> slot
-    req_pool_indices: torch.Tensor,  # [B] int64: each request's req_to_token row
-    seq_lens: torch.Tensor,  # [B] int64: history incl. the current token (K/V written)
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64 positions, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64: valid prefix length of sel_idx
-    recent_start: torch.Tensor,  # [B] int64: first position of the recent window
+    subsets: DecodeSubsets,  # what each request attends (all tensors on q's device)
     *,
-    sink: int,  # positions [0, sink) are always attended
     scale: float,  # softmax scale (sm_scale), usually head_dim ** -0.5
-    impl: str = "torch",
+    impl: str | None = None,  # None: default_impl
     out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
 ) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
     """Decode attention of one layer over each (request, KV head)'s subset.
 
-    All tensors live on q's device. Softmax is exact over the subset (fp32). The
-    subset is sink ∪ selection ∪ recent window, disjoint by contract (``common``).
-    Nothing but ``out`` is written.
+    Softmax is exact over the subset (fp32). Nothing but ``out`` is written.
     """
+    if impl is None:
+        impl = default_impl(q, k_buf)
     if impl not in _IMPLS:
         raise ValueError(f"sparse decode impl {impl!r} is invalid; valid: {', '.join(IMPLS)}")
     module, name = _IMPLS[impl]
     fn = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    return fn(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        sel_idx, sel_len, recent_start, sink=sink, scale=scale, out=out,
-    )
+    return fn(q, k_buf, v_buf, subsets, scale=scale, out=out)

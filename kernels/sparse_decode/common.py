@@ -1,4 +1,5 @@
-"""The subset contract every sparse-decode implementation shares, and its checks.
+"""The subset contract every sparse-decode implementation shares: its argument object
+and its checks.
 
 For request ``b`` and KV head ``h`` the attended positions are the union of
 
@@ -10,7 +11,8 @@ The three sets are disjoint by contract: the selection is unique and lies in
 ``[S_b, R_b)`` (the selection policies guarantee it; ``reference`` asserts it, the
 fast paths trust it). ``recent_start[b] < seq_lens[b]``, so the current token is
 always attended. Clamping ``R_b`` to ``S_b`` means a window that reaches into the sink
-is not counted twice: ``recent_start = 0`` with an empty selection is dense attention.
+is not counted twice: ``recent_start = 0`` with an empty selection is dense attention
+(``dense_subsets``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,40 @@ from typing import NamedTuple
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class DecodeSubsets(NamedTuple):
+    """What each request of a decode batch attends, and where its K/V sit in the pool.
+
+    Built once per forward pass (the layers share it; a policy's per-layer selection
+    replaces ``sel_idx`` with ``_replace``). All tensors on the device of q.
+    """
+
+    req_to_token: torch.Tensor  # [max_reqs, max_context] int32: (row, position) -> slot
+    rows: torch.Tensor  # [B] int64: each request's req_to_token row
+    seq_lens: torch.Tensor  # [B] int64: history incl. the current token (K/V written)
+    sel_idx: torch.Tensor  # [B, Hkv, S] int64 positions, padding -1
+    sel_len: torch.Tensor  # [B, Hkv] int64: valid prefix length of sel_idx
+    recent_start: torch.Tensor  # [B] int64: first position of the recent window
+    sink: int  # positions [0, sink) are always attended
+    dense: bool = False  # every row attends its whole history (host-side flag)
+
+
+def dense_subsets(
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    rows: torch.Tensor,  # [B] int64
+    seq_lens: torch.Tensor,  # [B] int64
+    num_kv_heads: int,
+) -> DecodeSubsets:
+    """Every row attends positions ``[0, seq_len)``: exact attention."""
+    bsz, dev = rows.shape[0], rows.device
+    zeros = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    return DecodeSubsets(
+        req_to_token, rows, seq_lens,
+        torch.empty(bsz, num_kv_heads, 0, dtype=torch.int64, device=dev),
+        torch.zeros(bsz, num_kv_heads, dtype=torch.int64, device=dev), zeros, 0, True,
+    )
 
 
 class Dims(NamedTuple):
@@ -36,13 +72,7 @@ def check_inputs(
     q: torch.Tensor,  # [B, Hq, D]
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
-    sink: int,
+    sub: DecodeSubsets,
 ) -> Dims:
     """Shape, dtype and device checks (no device sync). Returns the dimensions."""
     if q.dim() != 3 or k_buf.dim() != 3 or v_buf.dim() != 3:
@@ -64,38 +94,40 @@ def check_inputs(
             raise ValueError(f"{name} dtype {t.dtype} is invalid; valid: {FLOAT_DTYPES}")
     if k_buf.dtype != v_buf.dtype:
         raise ValueError(f"k_buf {k_buf.dtype} and v_buf {v_buf.dtype} differ")
-    if sel_idx.dim() != 3 or sel_idx.shape[:2] != (batch, hkv):
+    if k_buf.device != q.device or v_buf.device != q.device:
+        raise ValueError(f"k_buf/v_buf on {k_buf.device}/{v_buf.device}, q on {q.device}")
+    if sub.sel_idx.dim() != 3 or sub.sel_idx.shape[:2] != (batch, hkv):
         raise ValueError(
-            f"sel_idx {tuple(sel_idx.shape)} must be [B={batch}, Hkv={hkv}, max_sel]"
+            f"sel_idx {tuple(sub.sel_idx.shape)} must be [B={batch}, Hkv={hkv}, max_sel]"
         )
-    if tuple(sel_len.shape) != (batch, hkv):
-        raise ValueError(f"sel_len {tuple(sel_len.shape)} must be [{batch}, {hkv}]")
-    for name, t in (
-        ("req_pool_indices", req_pool_indices),
-        ("seq_lens", seq_lens),
-        ("recent_start", recent_start),
-    ):
+    if tuple(sub.sel_len.shape) != (batch, hkv):
+        raise ValueError(f"sel_len {tuple(sub.sel_len.shape)} must be [{batch}, {hkv}]")
+    for name in ("rows", "seq_lens", "recent_start"):
+        t = getattr(sub, name)
         if tuple(t.shape) != (batch,):
             raise ValueError(f"{name} {tuple(t.shape)} must be [{batch}]")
-    for name, t in (
-        ("req_to_token", req_to_token),
-        ("req_pool_indices", req_pool_indices),
-        ("seq_lens", seq_lens),
-        ("sel_idx", sel_idx),
-        ("sel_len", sel_len),
-        ("recent_start", recent_start),
-    ):
-        if t.dtype not in (torch.int32, torch.int64):
+    for name in ("req_to_token", "rows", "seq_lens", "sel_idx", "sel_len", "recent_start"):
+        t = getattr(sub, name)
+        if t.dtype not in INDEX_DTYPES:
             raise ValueError(f"{name} dtype {t.dtype} is invalid; valid: int32, int64")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if req_to_token.dim() != 2:
-        raise ValueError(f"req_to_token {tuple(req_to_token.shape)} must be 2-D")
-    if k_buf.device != q.device or v_buf.device != q.device:
-        raise ValueError(f"k_buf/v_buf on {k_buf.device}/{v_buf.device}, q on {q.device}")
-    if sink < 0:
-        raise ValueError(f"sink must be >= 0, got {sink}")
-    return Dims(batch, hq, hkv, hq // hkv, d, v_buf.shape[2], sel_idx.shape[2])
+    if sub.req_to_token.dim() != 2:
+        raise ValueError(f"req_to_token {tuple(sub.req_to_token.shape)} must be 2-D")
+    if sub.sink < 0:
+        raise ValueError(f"sink must be >= 0, got {sub.sink}")
+    return Dims(batch, hq, hkv, hq // hkv, d, v_buf.shape[2], sub.sel_idx.shape[2])
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """``out`` (checked), or a new ``[B, Hq, Dv]`` tensor of q's dtype."""
+    shape = (dims.batch, dims.num_q_heads, dims.v_head_dim)
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} must be "
+                         f"{list(shape)} {q.dtype} on {q.device}")
+    return out
 
 
 def subset_positions(

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import check_inputs
+from .common import DecodeSubsets, check_inputs
 
 # Group sizes FlashInfer's CUDA-core decode kernel is compiled for; others go
 # through its tensor-core (prefill) kernel.
@@ -64,28 +64,19 @@ class PagePlan(NamedTuple):
     sel_rows: torch.Tensor  # [n] int64: req_to_token row.
 
 
-def build_pages(
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
-    *,
-    sink: int,
-    num_kv_heads: int,
-) -> PagePlan:
+def build_pages(sub: DecodeSubsets, num_kv_heads: int) -> PagePlan:
     """The layer-independent part of the page lists (pure torch, any device).
 
     Each pair's list is its virtual list ``sink | selection | recent window``; the
     selection entries hold a placeholder (the current token's page) until
     ``fill_selected`` writes a layer's selection.
     """
-    dev, hkv = seq_lens.device, num_kv_heads
-    bsz = len(seq_lens)
-    seq = seq_lens.long()
-    sink_end = seq.clamp(max=sink)  # [B]
-    recent = torch.maximum(recent_start.long(), sink_end)  # [B]
-    n_sel = sel_len.long()  # [B, Hkv]
+    dev, hkv = sub.seq_lens.device, num_kv_heads
+    bsz = len(sub.seq_lens)
+    seq = sub.seq_lens.long()
+    sink_end = seq.clamp(max=sub.sink)  # [B]
+    recent = torch.maximum(sub.recent_start.long(), sink_end)  # [B]
+    n_sel = sub.sel_len.long()  # [B, Hkv]
     counts = ((sink_end + seq - recent)[:, None] + n_sel).reshape(-1)  # [B * Hkv]
     indptr = torch.zeros(bsz * hkv + 1, dtype=torch.int32, device=dev)
     indptr[1:] = counts.cumsum(0)
@@ -101,8 +92,8 @@ def build_pages(
     is_sel = (j >= s_end) & (j < sel_end)
     pos = torch.where(j < s_end, j, recent[b] + (j - sel_end))
     pos = torch.where(is_sel, seq[b] - 1, pos)
-    rows = req_pool_indices.long()[b]
-    indices = (req_to_token[rows, pos].long() * hkv + h).to(torch.int32)
+    rows = sub.rows.long()[b]
+    indices = (sub.req_to_token[rows, pos].long() * hkv + h).to(torch.int32)
     sel_at = is_sel.nonzero().squeeze(1)
     return PagePlan(
         indptr, indices, sel_at, b[sel_at], h[sel_at], (j - s_end)[sel_at], rows[sel_at]
@@ -145,13 +136,8 @@ class FlashInferSparseDecode:
 
     def plan(
         self,
-        req_to_token: torch.Tensor,  # [max_reqs, max_context] int32, cuda
-        req_pool_indices: torch.Tensor,  # [B] int64, cuda
-        seq_lens: torch.Tensor,  # [B] int64, cuda
-        sel_len: torch.Tensor,  # [B, Hkv] int64, cuda; fixed for every layer's run()
-        recent_start: torch.Tensor,  # [B] int64, cuda
+        sub: DecodeSubsets,  # cuda; its sel_len is fixed for every layer's run()
         *,
-        sink: int,
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -161,12 +147,9 @@ class FlashInferSparseDecode:
     ) -> None:
         if num_q_heads % num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of {num_kv_heads}")
-        bsz, hkv = len(seq_lens), num_kv_heads
+        bsz, hkv = len(sub.seq_lens), num_kv_heads
         group = num_q_heads // hkv
-        self._pages = build_pages(
-            req_to_token, req_pool_indices, seq_lens, sel_len, recent_start,
-            sink=sink, num_kv_heads=hkv,
-        )
+        self._pages = build_pages(sub, hkv)
         self._tensor_cores = (
             self._use_tensor_cores
             if self._use_tensor_cores is not None
@@ -191,7 +174,7 @@ class FlashInferSparseDecode:
         # Without CUDA graphs the wrapper keeps a reference to our index tensor, so
         # run() can update it in place; if a FlashInfer version copies it, re-plan.
         self._aliased = getattr(wrapper, "_paged_kv_indices_buf", None) is self._pages.indices
-        self._req_to_token = req_to_token
+        self._req_to_token = sub.req_to_token
         self._shape = (bsz, num_q_heads, hkv, head_dim)
         self._planned = True
 
@@ -237,26 +220,16 @@ def sparse_decode_flashinfer(
     q: torch.Tensor,  # [B, Hq, D]
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, D]
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
+    sub: DecodeSubsets,
     *,
-    sink: int,
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hq, D], q.dtype
     """One-shot plan + run; a serving loop keeps a ``FlashInferSparseDecode`` instead."""
-    dims = check_inputs(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        sel_idx, sel_len, recent_start, sink,
-    )
+    dims = check_inputs(q, k_buf, v_buf, sub)
     runner = FlashInferSparseDecode(q.device)
     runner.plan(
-        req_to_token, req_pool_indices, seq_lens, sel_len, recent_start,
-        sink=sink, num_q_heads=dims.num_q_heads, num_kv_heads=dims.num_kv_heads,
+        sub, num_q_heads=dims.num_q_heads, num_kv_heads=dims.num_kv_heads,
         head_dim=dims.head_dim, scale=scale, q_dtype=q.dtype, kv_dtype=k_buf.dtype,
     )
-    return runner.run(q, k_buf, v_buf, sel_idx, out=out)
+    return runner.run(q, k_buf, v_buf, sub.sel_idx, out=out)

@@ -9,38 +9,29 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, subset_positions
+from .common import DecodeSubsets, check_inputs, subset_positions
 
 
 def sparse_decode_reference(
     q: torch.Tensor,  # [B, Hq, D]
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
+    sub: DecodeSubsets,
     *,
-    sink: int,
     scale: float,
 ) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
-    dims = check_inputs(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        sel_idx, sel_len, recent_start, sink,
-    )
+    dims = check_inputs(q, k_buf, v_buf, sub)
     g = dims.group
     out = torch.empty(dims.batch, dims.num_q_heads, dims.v_head_dim, dtype=torch.float64)
     for b in range(dims.batch):
-        n = int(seq_lens[b])
-        row = req_to_token[int(req_pool_indices[b])]
+        n = int(sub.seq_lens[b])
+        row = sub.req_to_token[int(sub.rows[b])]
         for h in range(dims.num_kv_heads):
-            m = int(sel_len[b, h])
+            m = int(sub.sel_len[b, h])
             if not 0 <= m <= dims.max_sel:
                 raise AssertionError(f"sel_len[{b}, {h}] = {m} not in [0, {dims.max_sel}]")
-            sel = [int(p) for p in sel_idx[b, h, :m]]
-            pos = subset_positions(n, int(recent_start[b]), sink, sel)
+            sel = [int(p) for p in sub.sel_idx[b, h, :m]]
+            pos = subset_positions(n, int(sub.recent_start[b]), sub.sink, sel)
             slots = torch.tensor([int(row[p]) for p in pos], dtype=torch.long)
             k = k_buf[slots.to(k_buf.device), h].double().cpu()  # [L, D]
             v = v_buf[slots.to(v_buf.device), h].double().cpu()  # [L, Dv]

@@ -1,19 +1,26 @@
-"""Sparse decode in batched torch ops: the fast CPU path.
+"""Sparse decode in batched torch ops: the portable path (CPU without the C++ kernel,
+any device).
 
-All (request, KV head) pairs are handled at once: their position lists are laid out
+Dense subsets (``DecodeSubsets.dense``) take SDPA's fused kernel: the K/V rows of all
+requests are gathered with one ``index_select`` on the flat ``[slot * Hkv + h]`` rows
+straight into ``[B, Hkv, L, D]`` (padded to the longest history, padding masked) and
+the G query heads of a KV head become G query rows of one call.
+
+Other subsets: all (request, KV head) pairs at once, their position lists laid out
 side by side in one padded ``[B, Hkv, L]`` tensor (sink | selection | recent window),
-K/V are gathered with one advanced index each, and attention is two batched matmuls
-with padded columns masked to -inf. No Python loop over requests or heads.
+K/V gathered with one advanced index each, attention as two batched matmuls with
+padded columns masked to -inf. No Python loop over requests or heads.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
-from .common import check_inputs
+from .common import DecodeSubsets, check_inputs, check_out
 
 
-def _gather(
+def gather_rows(
     buf: torch.Tensor,  # [num_slots, Hkv, D]
     slots: torch.Tensor,  # [B, Hkv, L] int64
 ) -> torch.Tensor:  # [B, Hkv, L, D]: buf[slots[b, h, l], h]
@@ -27,30 +34,32 @@ def _gather(
     return buf[slots, heads]
 
 
-def sparse_decode_torch(
-    q: torch.Tensor,  # [B, Hq, D]
-    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
-    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
-    *,
-    sink: int,
-    scale: float,
-    out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
-) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
-    dims = check_inputs(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        sel_idx, sel_len, recent_start, sink,
-    )
-    bsz, hkv, g = dims.batch, dims.num_kv_heads, dims.group
+def _dense(q, k_buf, v_buf, sub: DecodeSubsets, dims, scale: float) -> torch.Tensor:
+    bsz, hkv = dims.batch, dims.num_kv_heads
+    seq = sub.seq_lens.long()
+    width = int(seq.max())  # one host sync per call
+    ar = torch.arange(width, device=q.device)
+    valid = ar < seq[:, None]  # [B, L]
+    pos = torch.where(valid, ar, (seq - 1)[:, None])  # padding reads the current token
+    slots = sub.req_to_token[sub.rows.long()[:, None], pos].long()  # [B, L]
+    slots = slots[:, None, :].expand(bsz, hkv, width)
+    k = gather_rows(k_buf, slots)  # [B, Hkv, L, D]
+    v = gather_rows(v_buf, slots)
+    mask = None
+    if not bool(valid.all()):
+        mask = torch.zeros(bsz, 1, 1, width, dtype=k.dtype, device=q.device)
+        mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    qg = q.reshape(bsz, hkv, dims.group, dims.head_dim).to(k.dtype)  # [B, Hkv, G, D]
+    o = scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(bsz, dims.num_q_heads, dims.v_head_dim)
+
+
+def _subset(q, k_buf, v_buf, sub: DecodeSubsets, dims, scale: float) -> torch.Tensor:
+    bsz, hkv, g, sink = dims.batch, dims.num_kv_heads, dims.group, sub.sink
     dev = q.device
-    seq = seq_lens.long()
+    seq = sub.seq_lens.long()
     sink_end = seq.clamp(max=sink)  # [B]
-    recent = torch.maximum(recent_start.long(), sink_end)  # [B]
+    recent = torch.maximum(sub.recent_start.long(), sink_end)  # [B]
     n_recent = seq - recent  # [B]
     # One host sync: the padded width of the recent part.
     max_recent = int(n_recent.max()) if bsz else 0
@@ -61,7 +70,7 @@ def sparse_decode_torch(
     pos = torch.cat(
         [
             ar_sink.expand(bsz, hkv, sink),
-            sel_idx.long(),
+            sub.sel_idx.long(),
             (recent[:, None] + ar_rec).unsqueeze(1).expand(bsz, hkv, max_recent),
         ],
         dim=-1,
@@ -69,7 +78,7 @@ def sparse_decode_torch(
     valid = torch.cat(
         [
             (ar_sink < sink_end[:, None]).unsqueeze(1).expand(bsz, hkv, sink),
-            ar_sel < sel_len.long()[..., None],
+            ar_sel < sub.sel_len.long()[..., None],
             (ar_rec < n_recent[:, None]).unsqueeze(1).expand(bsz, hkv, max_recent),
         ],
         dim=-1,
@@ -77,16 +86,29 @@ def sparse_decode_torch(
     # Padding reads the current token's slot (always written), so that no
     # uninitialised pool slot is touched; its weight is zeroed by the mask below.
     pos = torch.where(valid, pos, (seq - 1)[:, None, None])
-    slots = req_to_token[req_pool_indices.long()[:, None, None], pos].long()  # [B, Hkv, L]
-    k = _gather(k_buf, slots).float()  # [B, Hkv, L, D]
-    v = _gather(v_buf, slots).float()  # [B, Hkv, L, Dv]
+    slots = sub.req_to_token[sub.rows.long()[:, None, None], pos].long()  # [B, Hkv, L]
+    k = gather_rows(k_buf, slots).float()  # [B, Hkv, L, D]
+    v = gather_rows(v_buf, slots).float()  # [B, Hkv, L, Dv]
 
     qg = q.reshape(bsz, hkv, g, dims.head_dim).float()  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, L] fp32
     scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v).reshape(bsz, dims.num_q_heads, dims.v_head_dim)
-    if out is None:
-        return o.to(q.dtype)
-    out.copy_(o)
+    return torch.matmul(probs, v).reshape(bsz, dims.num_q_heads, dims.v_head_dim)
+
+
+def sparse_decode_torch(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_buf: torch.Tensor,  # [num_slots, Hkv, D]
+    v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+    sub: DecodeSubsets,
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
+) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
+    dims = check_inputs(q, k_buf, v_buf, sub)
+    out = check_out(out, q, dims)
+    if dims.batch:
+        fn = _dense if sub.dense else _subset
+        out.copy_(fn(q, k_buf, v_buf, sub, dims, scale))
     return out

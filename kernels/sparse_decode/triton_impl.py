@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_inputs
+from .common import DecodeSubsets, check_inputs, check_out
 
 
 @triton.jit
@@ -139,46 +139,28 @@ def sparse_decode_triton(
     q: torch.Tensor,  # [B, Hq, D]
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B] int64
-    seq_lens: torch.Tensor,  # [B] int64
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64, padding -1
-    sel_len: torch.Tensor,  # [B, Hkv] int64
-    recent_start: torch.Tensor,  # [B] int64
+    sub: DecodeSubsets,
     *,
-    sink: int,
     scale: float,
     out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
 ) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
-    dims = check_inputs(
-        q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens,
-        sel_idx, sel_len, recent_start, sink,
-    )
+    dims = check_inputs(q, k_buf, v_buf, sub)
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(
             f"the triton impl needs CUDA tensors (got {q.device}) or "
             "TRITON_INTERPRET=1 set before sgl_spec.kernels.sparse_decode.triton_impl "
             "is imported; valid impls on CPU: torch"
         )
-    if out is None:
-        out = torch.empty(
-            dims.batch, dims.num_q_heads, dims.v_head_dim, dtype=q.dtype, device=q.device
-        )
-    elif tuple(out.shape) != (dims.batch, dims.num_q_heads, dims.v_head_dim) or (
-        out.dtype != q.dtype
-    ):
-        raise ValueError(
-            f"out {tuple(out.shape)} {out.dtype} must be "
-            f"[{dims.batch}, {dims.num_q_heads}, {dims.v_head_dim}] {q.dtype}"
-        )
+    out = check_out(out, q, dims)
     for name, t in (
         ("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out),
-        ("req_to_token", req_to_token), ("sel_idx", sel_idx),
+        ("req_to_token", sub.req_to_token), ("sel_idx", sub.sel_idx),
     ):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride in its last dim, got {t.stride()}")
     if dims.batch == 0:
         return out
+    sel_idx, sel_len = sub.sel_idx, sub.sel_len
     if dims.max_sel == 0:
         # A [B, Hkv, 0] tensor may carry any strides; the kernel never reads it.
         sel_idx = sel_idx.new_empty(dims.batch, dims.num_kv_heads, 1)
@@ -189,13 +171,13 @@ def sparse_decode_triton(
     grid = (dims.batch, dims.num_kv_heads)
     _kernel[grid](
         q, k_buf, v_buf, out,
-        req_to_token, req_pool_indices, seq_lens, sel_idx, sel_len, recent_start,
-        sink, scale,
+        sub.req_to_token, sub.rows, sub.seq_lens, sel_idx, sel_len, sub.recent_start,
+        sub.sink, scale,
         q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1),
         v_buf.stride(0), v_buf.stride(1),
         out.stride(0), out.stride(1),
-        req_to_token.stride(0),
+        sub.req_to_token.stride(0),
         sel_idx.stride(0), sel_idx.stride(1),
         sel_len.stride(0), sel_len.stride(1),
         GROUP=dims.group,

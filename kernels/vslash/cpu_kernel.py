@@ -9,69 +9,27 @@ list, skipping cells on selected verticals (see the source's header).
 slashes (this kernel) and the verticals (one fused SDPA call), merged by their
 log-sum-exps.
 
-Built on first use by ``torch.utils.cpp_extension`` (g++ and ninja, about 30 s once;
-cached under torch's extension directory, keyed by source, flags and the CPU's
-vector capability, since it is compiled with ``-march=native``). Where it cannot be
-built the torch path stays the CPU path (one warning). ``SGLSPEC_VSLASH_CPU_KERNEL=0``
-turns it off (``=1``: a failed build raises instead of warning).
+Built on first use (``kernels.cpu_build``; ``SGLSPEC_CPU_KERNELS=0`` turns it off).
+Where it cannot be built the torch path stays the CPU path.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from sgl_spec.envs import vslash_cpu_kernel
-
-logger = logging.getLogger(__name__)
+from ..cpu_build import load_cpu_kernel
 
 HEAD_DIMS = (16, 32, 64, 128)  # the instantiated ones (multiples of 16 lanes)
 MAX_LINE_GROUP = 8  # query heads per line head the kernel is instantiated for
 SOURCE = Path(__file__).with_name("csrc") / "slash_cpu.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-_lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
-
-
-def _build() -> ModuleType:
-    from torch.utils.cpp_extension import load
-
-    # torch finds ninja on PATH; the environment's own (the ``ninja`` wheel) is in the
-    # interpreter's bin directory, not on PATH unless the environment is activated.
-    env_bin = os.path.dirname(sys.executable)
-    if shutil.which("ninja") is None and shutil.which("ninja", path=env_bin):
-        os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
-
-    name = f"sgl_spec_slash_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
-    return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load_kernel() -> ModuleType | None:
     """The compiled module, or None where it is off or cannot be built (warned once)."""
-    mode = vslash_cpu_kernel()
-    if mode == "0":
-        return None
-    with _lock:
-        if "module" not in _state:
-            try:
-                logger.info("building the CPU slash kernel (once, ~30 s): %s", SOURCE.name)
-                _state["module"] = _build()
-            except Exception as e:  # no compiler, no ninja, unsupported platform
-                if mode == "1":
-                    raise
-                logger.warning("CPU slash kernel unavailable (%s: %s); the torch path "
-                               "runs instead", type(e).__name__, e)
-                _state["module"] = None
-        return _state["module"]
+    return load_cpu_kernel("slash_cpu", SOURCE)
 
 
 def supported(q: torch.Tensor, head_dim: int, line_group: int) -> bool:

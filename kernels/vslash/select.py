@@ -61,7 +61,9 @@ from .reference import line_mask
 
 @dataclass(frozen=True)
 class SelectConfig:
-    alpha: float = 0.98  # sampled-mass fraction to cover; §6.3.1 finds 0.98-1.0 safe
+    # Sampled-mass fraction to cover (§6.3.1 finds 0.98-1.0 safe). No default: the
+    # served one is sgl_spec.config.PrefillConfig.alpha, the one source of defaults.
+    alpha: float
     local: int = 64  # offsets 0..local-1 always selected (the local band)
     sink: int = 4  # key columns 0..sink-1 always selected (attention sinks)
     last_q: int = 64  # sampled: the last last_q queries ...
@@ -217,7 +219,7 @@ def select_lines(
     q: torch.Tensor,  # [n, Hq, D]
     k: torch.Tensor,  # [N+n, Hkv, D], keys of history and new tokens
     history_len: int,
-    config: SelectConfig = SelectConfig(),
+    config: SelectConfig,
     scale: float | None = None,  # default 1/sqrt(D)
     seeds: LineSet | None = None,  # an earlier extend's lines, same line heads
 ) -> LineSet:  # Hkv line heads (Hq with per_kv_head=False)

@@ -1,0 +1,65 @@
+"""sgl_spec's attention path (plan/run), free of sglang; ``build_core`` assembles it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sgl_spec.config import SpecConfig
+from sgl_spec.requests import HUB
+from sgl_spec.sparse.policy import AttnShape
+
+from .core import AttentionCore
+from .decode import Decoder
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AttentionCore", "build_core"]
+
+
+def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
+               enable_metrics: bool = False) -> AttentionCore:
+    """The attention path of ``cfg``: exact or sparse decode, exact or sparse prefill.
+
+    A sparse decode policy's states are freed through ``sgl_spec.requests.HUB``'s
+    releases (the radix cache's); with another tree cache, by the stale-rid fallback.
+    """
+    policy, metrics = None, None
+    if cfg.decode.mode != "exact":
+        from sgl_spec.sparse import get_policy
+
+        policy = get_policy(cfg.decode.mode, cfg.decode, shape, device)
+        if enable_metrics:
+            from .metrics import SparseMetrics
+
+            metrics = SparseMetrics()
+    decoder = Decoder(shape, policy, metrics=metrics)
+    if policy is not None:
+        HUB.add_release_listener(decoder.release)
+    prefill = None
+    if cfg.prefill.mode != "exact":
+        prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)
+    logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s", cfg.decode.mode,
+                cfg.decode, cfg.prefill.mode, shape)
+    return AttentionCore(decoder, prefill)
+
+
+def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,
+                    enable_metrics: bool):
+    from .prefill import SparsePrefill
+
+    metrics = None
+    if enable_metrics:
+        from .metrics import PrefillMetrics
+
+        metrics = PrefillMetrics()
+    kernel = "torch ops"
+    if device.type == "cpu":
+        from sgl_spec.kernels.vslash import cpu_kernel
+
+        # Build (or load) the C++ slash kernel now, not inside the first long prefill.
+        if cpu_kernel.load_kernel() is not None:
+            kernel = "cpp"
+    logger.info("sgl_spec sparse prefill: %s, CPU line kernel: %s", cfg.prefill, kernel)
+    return SparsePrefill(cfg.prefill, shape.num_layers, metrics=metrics)

@@ -1,11 +1,12 @@
-"""Micro-benchmark: the cost of turn tagging on the radix cache alone.
+"""Micro-benchmark: what sgl_spec's radix cache costs on the cache's own path.
 
 Plays the same multi-turn chat trace (the scheduler's calls per request: match
 the prompt, insert prompt + answer) through stock sglang's UnifiedRadixCache with
-its default tree core (Rust), stock with its Python tree core, and sgl_spec's
-SpecRadixCache (a Python tree core that also cuts and tags turns), interleaved in
-one run. Token ids follow the default model's ChatML format (openers, end
-marker); contents are random ids.
+its default tree core (compiled, Rust) and with its Python tree core, sgl_spec's
+cache with default flags (sglang's compiled core, recording token ids for the
+on-demand summary) and with ``--spec-cache-eviction turn`` (the turn-tagged Python
+core, which cuts and tags turns at insert), interleaved in one run. Token ids follow
+the default model's ChatML format (openers, end marker); contents are random ids.
 
     python -m sgl_spec.bench.cache_overhead --out results/cache-overhead
 
@@ -24,8 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sgl_spec.bench.cache_fixtures import build, key
 from sgl_spec.cache.turn_format import TurnFormat
+from sgl_spec.config import CacheConfig, SpecConfig
 
 # The default model's ChatML ids (sgl_spec.cache.turn_format.derive on
 # SmolLM2-135M-Instruct): <|im_start|>=1, <|im_end|>=2, "\n"=198.
@@ -34,8 +35,14 @@ CHATML = TurnFormat(
              ("assistant", (1, 520, 9531)), ("tool", (1, 19324))),
     end=(2,),
 )
-CONFIGS = (("stock (rust core)", "stock", None), ("stock (python core)", "stock", "python"),
-           ("sgl_spec", "spec", None))
+# (name, kind, stock tree core, sgl_spec config)
+CONFIGS = (
+    ("stock (rust core)", "stock", None, None),
+    ("stock (python core)", "stock", "python", None),
+    ("sgl_spec", "spec", None, SpecConfig()),
+    ("sgl_spec --spec-cache-eviction turn", "spec", None,
+     SpecConfig(cache=CacheConfig(eviction="turn"))),
+)
 
 
 def trace(conversations: int, turns: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -59,19 +66,21 @@ def trace(conversations: int, turns: int, seed: int) -> list[tuple[list[int], li
 def play(cache, alloc, requests) -> float:
     """Seconds spent in the cache for the whole trace."""
     import torch
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+
+    from sgl_spec.integration.standalone import InsertParams, MatchPrefixParams, radix_key
 
     spent = 0.0
     for prompt, answer in requests:
         full = prompt + answer
-        match_params = MatchPrefixParams(key=key(prompt))
+        match_params = MatchPrefixParams(key=radix_key(prompt))
         t0 = time.perf_counter()
         m = cache.match_prefix(match_params)
         spent += time.perf_counter() - t0
         prefix = cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
         value = torch.cat([prefix.to(torch.int64), alloc.alloc(len(full) - len(prefix))])
         # As sglang's checkpoint_into_tree: the matched prefix is protected.
-        insert_params = InsertParams(key=key(full), value=value, prev_prefix_len=len(prefix))
+        insert_params = InsertParams(key=radix_key(full), value=value,
+                                     prev_prefix_len=len(prefix))
         t0 = time.perf_counter()
         cache.insert(insert_params)
         spent += time.perf_counter() - t0
@@ -81,8 +90,10 @@ def play(cache, alloc, requests) -> float:
 def run(conversations: int, turns: int, repeats: int, seed: int) -> dict:
     requests = trace(conversations, turns, seed)
     tokens = sum(len(p) + len(a) for p, a in requests)
-    caches = {name: build(kind, tokens + 1024, fmt=CHATML, tree_core=core)
-              for name, kind, core in CONFIGS}
+    from sgl_spec.integration.standalone import build_cache
+
+    caches = {name: build_cache(kind, tokens + 1024, fmt=CHATML, cfg=cfg, tree_core=core)
+              for name, kind, core, cfg in CONFIGS}
     times: dict[str, list[float]] = {name: [] for name in caches}
     for _ in tqdm(range(repeats), desc="cache micro-benchmark", unit="round"):
         for name, (cache, alloc) in caches.items():  # interleaved: same conditions
@@ -95,8 +106,8 @@ def run(conversations: int, turns: int, repeats: int, seed: int) -> dict:
         "tokens": tokens,
         "repeats": repeats,
         "median_us_per_request": us,
-        "ratio_vs_stock_rust": us["sgl_spec"] / us["stock (rust core)"],
-        "ratio_vs_stock_python": us["sgl_spec"] / us["stock (python core)"],
+        "ratio_vs_stock_rust": {n: us[n] / us["stock (rust core)"] for n in us},
+        "ratio_vs_stock_python": {n: us[n] / us["stock (python core)"] for n in us},
     }
 
 

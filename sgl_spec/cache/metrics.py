@@ -1,29 +1,32 @@
-"""Prometheus metrics of the turn-aware cache, exported beside sglang's own.
+"""Prometheus metrics of the radix cache's turns, exported beside sglang's own.
 
 Created in the scheduler process only with ``--enable-metrics`` (sglang's
-multiprocess collector then serves them from ``/metrics``). Gauges are refreshed
-at most once per ``interval`` seconds, from the cache's insert path.
+multiprocess collector then serves them from ``/metrics``). The cache refreshes the
+gauges at most once per ``interval`` seconds (``due``), from its insert path, with
+the totals of ``summary.totals``.
 """
 
 from __future__ import annotations
 
 import time
 
-from sgl_spec.cache.summary import totals
-from sgl_spec.cache.tree_core import RULES
-from sgl_spec.cache.turn_format import ROLES
+from .turn_format import ROLES
+
+# Eviction rules tokens are freed by: the tagged core's turn-aware order, or LRU.
+RULES = ("dead_reasoning", "inactive_conversation", "lru")
 
 
 class CacheMetrics:
-    def __init__(self, interval: float = 1.0):
+    def __init__(self, interval: float = 5.0):
         from prometheus_client import Counter, Gauge
 
         self.interval = interval
-        self._last = 0.0
+        self._last = float("-inf")
         self._freed_seen: dict[str, int] = {}
         self.cached_tokens = Gauge(
             name="sgl_spec:cached_tokens",
-            documentation="Tokens in the turn-aware radix cache, by role and tier.",
+            documentation="Tokens in the radix cache, by role (turns derived from the "
+            "chat template) and tier.",
             labelnames=("role", "tier"),
             multiprocess_mode="mostrecent",
         )
@@ -35,17 +38,20 @@ class CacheMetrics:
         for rule in RULES:
             self.evicted_tokens.labels(rule=rule)
 
-    def maybe_update(self, core, force: bool = False) -> None:
+    def due(self, force: bool = False) -> bool:
+        """Whether a refresh is due (and, if so, that one is happening now)."""
         now = time.monotonic()
         if not force and now - self._last < self.interval:
-            return
+            return False
         self._last = now
-        t = totals(core)
+        return True
+
+    def update(self, totals: dict, freed_by_rule: dict[str, int]) -> None:
         for role in (*ROLES, "reasoning", "untagged"):
-            self.cached_tokens.labels(role=role, tier="all").set(t["by_role"].get(role, 0))
-        for tier, n in t["by_tier"].items():
+            self.cached_tokens.labels(role=role, tier="all").set(totals["by_role"].get(role, 0))
+        for tier, n in totals["by_tier"].items():
             self.cached_tokens.labels(role="all", tier=tier).set(n)
-        for rule, n in core.freed_by_rule.items():
+        for rule, n in freed_by_rule.items():
             delta = n - self._freed_seen.get(rule, 0)
             if delta > 0:
                 self.evicted_tokens.labels(rule=rule).inc(delta)

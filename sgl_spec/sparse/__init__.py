@@ -1,12 +1,13 @@
-"""KV-budget selection policies for sparse decode (exact, streaming, snapkv, loopserve).
+"""KV-budget selection policies for sparse decode (streaming, snapkv, loopserve).
 
-A policy turns a request's history into a per-layer, per-KV-head ``Subset`` that
-``sgl_spec.kernels.sparse_decode`` attends to; ``pack_subsets`` batches one layer's
-subsets into the kernel's arguments. Policies are built by name from the registry.
+A policy turns a request's history into per-layer, per-KV-head selections that
+``sgl_spec.kernels.sparse_decode`` attends (with the sink and the recent window),
+host-side state per request and device-side rows in a slot table, batched over the
+rows of a forward pass (``policy``). Policies are built by name from the registry;
+``exact`` is the absence of a policy.
 
-Names are imported on first use (PEP 562): ``sgl_spec.config`` validates the
-``--spec-*`` flags with ``SparseParams`` in the launcher, which must not pay for
-importing torch.
+Names are imported on first use (PEP 562), so that importing the registry does not
+pay for torch until a policy is built.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import importlib
 
 # public name -> submodule defining it
 _EXPORTS = {
-    "SparseParams": "params",
-    "use_exact": "params",
     "AttnShape": "policy",
-    "PolicyStates": "policy",
+    "Kind": "policy",
+    "ReselectBatch": "policy",
     "RequestState": "policy",
+    "RowStep": "policy",
     "SelectionPolicy": "policy",
     "available_policies": "policy",
     "get_policy": "policy",
@@ -27,10 +28,7 @@ _EXPORTS = {
     "pool_scores": "scoring",
     "score_history": "scoring",
     "select_topk": "scoring",
-    "PackedSubsets": "subset",
-    "Subset": "subset",
-    "dense_subset": "subset",
-    "pack_subsets": "subset",
+    "SlotTable": "slots",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,8 @@
-"""Attention-mass scoring of history positions and top-B selection.
+"""Attention-mass scoring of history positions and top-B selection, batched over rows.
 
 Shared by SnapKV (prompt-window queries, once) and LoopServe (ring of the last n_d
-decoded queries, every n_d steps). Scoring is one batched matmul per layer over
-all queries and heads at once: each layer's keys are read once.
+decoded queries, every n_d steps). Scoring is one batched matmul per layer over all
+rows, queries and heads at once: each layer's keys are read once.
 """
 
 from __future__ import annotations
@@ -15,21 +15,23 @@ POOL_KINDS = ("avg", "max", "none")
 
 @torch.no_grad()
 def score_history(
-    q: torch.Tensor,  # [n, Hq, D] observation queries (any float dtype)
-    k: torch.Tensor,  # [N, Hkv, D] one layer's keys of the whole history
+    q: torch.Tensor,  # [R, n, Hq, D] observation queries (any float dtype)
+    k: torch.Tensor,  # [R, N, Hkv, D] one layer's keys of each row's history (padded)
     scale: float,
-    q_pos: torch.Tensor | None = None,  # [n] int64 positions of the queries
-) -> torch.Tensor:  # [Hkv, N] fp32, on k's device
+    q_pos: torch.Tensor | None = None,  # [R, n] int64 positions of the queries; -1: unused
+    k_len: torch.Tensor | None = None,  # [R] int64 keys per row (padding after); None: N
+) -> torch.Tensor:  # [R, Hkv, N] fp32, on k's device
     """Attention each history position receives from the observation queries.
 
-    Per query and query head: softmax over the history (positions <= the query's
-    own position when ``q_pos`` is given, else all N). Summed over the queries and
-    over the query heads of each KV head's GQA group (sum, not max: the total mass
-    the group pays a position). Eq. 7 of LoopServe (Sec 5.3) per KV head.
+    Per query and query head: softmax over the history (positions <= the query's own
+    position when ``q_pos`` is given, and < ``k_len``). Summed over the queries and
+    over the query heads of each KV head's GQA group (sum, not max: the total mass the
+    group pays a position). Eq. 7 of LoopServe (Sec 5.3) per KV head. A query with
+    position -1 (an unfilled ring entry) contributes nothing; padded keys score 0.
     """
-    n, hq, d = q.shape
-    big_n, hkv, dk = k.shape
-    if dk != d or hq % hkv:
+    rows, n, hq, d = q.shape
+    _, big_n, hkv, dk = k.shape
+    if dk != d or hq % hkv or k.shape[0] != rows:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
     g = hq // hkv
     # The logits' matmul runs in the keys' dtype when that is 16-bit (fp32
@@ -39,42 +41,52 @@ def score_history(
     # ranking resolves. The softmax and the sums are fp32.
     mm = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     # Rows of one KV head's group: (query, head in group); scale folded into q.
-    qg = (q.float() * scale).reshape(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-    kh = k.to(mm).transpose(0, 1).contiguous()  # [Hkv, N, D]: one pass over the keys
-    logits = torch.bmm(qg.to(mm), kh.transpose(1, 2))  # [Hkv, n * G, N]
-    if q_pos is not None and n:
-        # Only columns after the earliest query can be in some query's future.
-        lo = int(q_pos.min()) + 1
-        if lo < big_n:
-            cols = torch.arange(lo, big_n, device=k.device)
-            future = cols[None, :] > q_pos.to(k.device)[:, None]  # [n, N - lo]
-            logits[:, :, lo:].masked_fill_(
-                future.repeat_interleave(g, dim=0)[None], float("-inf")
-            )
-    return torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=1)
+    qg = (q.float() * scale).reshape(rows, n, hkv, g, d).permute(0, 2, 1, 3, 4)
+    qg = qg.reshape(rows * hkv, n * g, d).to(mm)
+    kh = k.to(mm).permute(0, 2, 3, 1).reshape(rows * hkv, d, big_n)  # one pass over keys
+    logits = torch.bmm(qg, kh).view(rows, hkv, n * g, big_n)
+    cols = torch.arange(big_n, device=k.device)
+    hide = None
+    if q_pos is not None:
+        hide = cols[None, None, :] > q_pos.to(k.device)[:, :, None]  # [R, n, N] future
+    if k_len is not None:
+        pad = (cols[None, :] >= k_len.to(k.device)[:, None])[:, None, :]  # [R, 1, N]
+        hide = pad if hide is None else hide | pad
+    if hide is not None:
+        logits.masked_fill_(hide.repeat_interleave(g, dim=1)[:, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if q_pos is not None:  # unfilled queries: every column hidden, softmax NaN
+        unused = (q_pos < 0).to(k.device).repeat_interleave(g, dim=1)  # [R, n * G]
+        probs = probs.masked_fill(unused[:, None, :, None], 0.0)
+    return probs.sum(dim=2)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
-    """SnapKV's 1-D pooling along positions (stride 1, same length). [Hkv, M] -> [Hkv, M]."""
+    """SnapKV's 1-D pooling along positions (stride 1, same length). [..., M] -> [..., M]."""
     if kind not in POOL_KINDS:
         raise ValueError(f"pool kind {kind!r} is invalid; valid: {', '.join(POOL_KINDS)}")
-    if kind == "none" or kernel <= 1 or scores.shape[1] == 0:
+    if kind == "none" or kernel <= 1 or scores.shape[-1] == 0:
         return scores
-    x = scores[None]  # [1, Hkv, M]
-    if kind == "avg":
-        return F.avg_pool1d(x, kernel, stride=1, padding=kernel // 2)[0]
-    return F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)[0]
+    x = scores.reshape(-1, 1, scores.shape[-1])
+    fn = F.avg_pool1d if kind == "avg" else F.max_pool1d
+    return fn(x, kernel, stride=1, padding=kernel // 2).view(scores.shape)
 
 
 def select_topk(
-    scores: torch.Tensor,  # [Hkv, >= hi] fp32
+    scores: torch.Tensor,  # [R, Hkv, >= max(hi)] fp32
     budget: int,
-    lo: int,  # first candidate position (the sink's end)
-    hi: int,  # one past the last candidate (the recent window's start)
-) -> torch.Tensor:  # [Hkv, min(budget, hi - lo)] int64 positions, ascending
-    """Top-``budget`` positions of ``[lo, hi)`` per KV head: unique, outside sink and window."""
-    n = max(0, min(budget, hi - lo))
-    if n == 0:
-        return torch.empty(scores.shape[0], 0, dtype=torch.int64, device=scores.device)
-    idx = scores[:, lo:hi].topk(n, dim=-1, sorted=False).indices + lo
+    lo: torch.Tensor,  # [R] int64: first candidate position (the sink's end)
+    hi: torch.Tensor,  # [R] int64: one past the last candidate (the recent window's start)
+) -> torch.Tensor:  # [R, Hkv, budget] int64 positions, ascending
+    """Top-``budget`` positions of ``[lo, hi)`` per row and KV head: unique, outside sink
+    and window. Every row needs ``hi - lo >= budget`` (a sparse row always has it:
+    ``DecodeConfig.use_exact`` keeps shorter histories dense)."""
+    if bool(((hi - lo) < budget).any()):
+        raise ValueError(f"select_topk: every row needs >= {budget} candidates, got "
+                         f"{(hi - lo).tolist()}")
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    outside = (cols[None, :] < lo.to(scores.device)[:, None]) | (
+        cols[None, :] >= hi.to(scores.device)[:, None])
+    masked = scores.masked_fill(outside[:, None, :], float("-inf"))
+    idx = masked.topk(budget, dim=-1, sorted=False).indices
     return idx.sort(dim=-1).values

@@ -6,24 +6,24 @@ budget + sink + window) decode exactly, as under the other sparse policies.
 
 from __future__ import annotations
 
-import torch
-
-from .params import use_exact
-from .policy import SelectionPolicy
-from .subset import Subset, dense_subset
+from .policy import EXACT_STEP, Kind, RowStep, SelectionPolicy
+from .slots import BufferSpec
 
 
 class StreamingPolicy(SelectionPolicy):
     name = "streaming"
 
-    def attends_layers(self, rid: str) -> bool:
-        return not use_exact(self.states.get(rid).seq_len, self.params)
+    @property
+    def width(self) -> int:
+        return 0
 
-    def decode_layer(
-        self, rid: str, layer: int, q: torch.Tensor, k: torch.Tensor | None = None
-    ) -> Subset:
-        st = self.states.get(rid)
-        empty = dense_subset(self.shape.num_kv_heads, q.device)
-        if use_exact(st.seq_len, self.params):
-            return empty
-        return Subset(empty.sel_idx, st.seq_len - self.params.window)
+    def buffers(self) -> dict[str, BufferSpec]:
+        return {}
+
+    def selection(self, layer, slots):
+        return slots.new_empty(slots.shape[0], self.shape.num_kv_heads, 0)
+
+    def _on_step(self, st) -> RowStep:
+        if self.cfg.use_exact(st.seq_len):
+            return EXACT_STEP
+        return RowStep(Kind.SPARSE, st.seq_len - self.cfg.window)

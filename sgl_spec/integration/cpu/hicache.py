@@ -8,7 +8,7 @@ device<->host transfer is one index copy per layer; the ``direct`` I/O backend w
 the ``layer_first`` host layout needs nothing else. The other I/O backends and
 layouts need CUDA kernels (``kernel``) or a page-major copy we do not supply.
 
-:mod:`sgl_spec.cpu.import_hooks` calls the ``patch_*``/``register_*`` functions
+:mod:`.hooks` calls the ``patch_*``/``register_*`` functions
 below right after the named sglang module executes, on CPU hosts only, with the
 module object; each says in its docstring what it replaces and why:
 
@@ -193,9 +193,6 @@ def patch_pool_host_common(module) -> None:
     pools index the table by a ``torch.device`` or a device string) become
     :func:`alloc_host_buffer_cpu`.
     """
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     table = module.ALLOC_MEMORY_FUNCS
     table.default_factory = lambda: alloc_host_buffer_cpu
     table["cpu"] = alloc_host_buffer_cpu
@@ -209,9 +206,6 @@ def patch_pool_host_base(module) -> None:
     available host memory; see :func:`cpu_host_memory_reserve_bytes` for why the
     stock 10 GiB is replaced on CPU hosts.
     """
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     module.HICACHE_HOST_MEMORY_RESERVE_BYTES = cpu_host_memory_reserve_bytes(total)
 
@@ -225,9 +219,6 @@ def patch_pool_host_mha(module) -> None:
     ``layer_first`` layout) becomes :func:`transfer_kv_direct`; every other op
     raises an error naming the flags that work on CPU.
     """
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     for name in _MHA_KVCACHEIO_OPS:
         if hasattr(module, name):
             continue  # a real kernel is bound: leave it
@@ -246,9 +237,6 @@ def patch_cache_controller(module) -> None:
     has finished when the call that issues it returns. Nothing to replace; fail
     loudly if a later sglang resolves it to something else.
     """
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     if module.device_module is not torch.cpu:
         raise RuntimeError(
             "sgl_spec HiCache on CPU expects cache_controller.device_module to be "
@@ -266,9 +254,6 @@ def register_cpu_hicache_defaults(module) -> None:
     with a ``ValueError`` naming the valid flags. After the stock step (which may
     rewrite the layout for a storage backend) the result is checked again.
     """
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     if _resolve_hicache_on_cpu in module._HOOKS.get("handle_hicache", ()):
         return  # already registered in this process
     module.register_resolution_hook("handle_hicache")(_resolve_hicache_on_cpu)
@@ -293,7 +278,7 @@ def _resolve_hicache_on_cpu(server_args, previous) -> None:
         )
         declare_resolution(
             server_args,
-            "sgl_spec.cpu.hicache",
+            "sgl_spec.integration.cpu.hicache",
             hicache_io_backend=io,
             hicache_mem_layout=layout,
         )

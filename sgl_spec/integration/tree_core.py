@@ -14,6 +14,14 @@ boundary with its parent is soft is evicted together with that parent, so the
 tree frees exactly the tokens stock's coarser node would have: match lengths and
 evicted-token counts stay identical to the stock cache (tested side by side).
 
+Payloads: ``node.spec.payloads`` maps a name to ``(off, value)``: ``value`` belongs to
+the node's tokens ``[0, off)`` from the node's start (LoopServe's kept lines: those of
+an extend ending at the node's ``off``-th token). A split hands it to the upper part
+when ``off`` falls there; the payload leaves the tree with its node.
+
+The cache uses this core only where a feature reads tags (``SpecConfig.tagged_cache``);
+otherwise it runs sglang's compiled core.
+
 With ``--spec-cache-eviction turn`` the eviction order is: leaves of finished
 turns' reasoning spans that the chat template drops from later history (dead
 branches: never matched again), then the least recently active conversations,
@@ -29,31 +37,25 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sgl_spec.cache.segment import Span, TurnTag, as_numpy, segment
-from sgl_spec.cache.turn_format import TurnFormat
-from sgl_spec.sglang_compat import check_version
-
-check_version()
-
-from sglang.srt.mem_cache.unified_cache.unified_tree_core import (  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
     BASE_COMPONENT_TYPE,
     UnifiedTreeCore,
     get_and_increase_time_counter,
 )
+
+from sgl_spec.cache.metrics import RULES
+from sgl_spec.cache.segment import Span, TurnTag, as_numpy, segment
+from sgl_spec.cache.turn_format import TurnFormat
+from sgl_spec.config import CACHE_EVICTIONS
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
 logger = logging.getLogger(__name__)
 
-EVICTION_POLICIES = ("lru", "turn")
-RULES = ("dead_reasoning", "inactive_conversation", "lru")
-
 
 class NodeData:
-    """sgl_spec's per-node record. ``payloads`` belong to the node's tokens: on a
-    split, a payload with a ``split(offset) -> (upper, lower)`` method is divided,
-    any other stays with the lower part (the node that keeps its id)."""
+    """sgl_spec's per-node record (``node.spec``); ``payloads``: see the module docstring."""
 
     __slots__ = ("tag", "soft", "close_off", "atime", "payloads")
 
@@ -64,7 +66,7 @@ class NodeData:
         # node starts); None while the turn is open at the node's end.
         self.close_off: int | None = None
         self.atime = time.time()
-        self.payloads: dict | None = None
+        self.payloads: dict[str, tuple[int, object]] | None = None
 
 
 def is_closed(node) -> bool:
@@ -77,10 +79,10 @@ class SpecTreeCore(UnifiedTreeCore):
     the stock core, it is driven by the scheduler thread only."""
 
     def __init__(self, params, components, fmt: TurnFormat | None, eviction: str):
-        if eviction not in EVICTION_POLICIES:
+        if eviction not in CACHE_EVICTIONS:
             raise ValueError(
                 f"--spec-cache-eviction {eviction!r} is invalid; valid values: "
-                f"{', '.join(EVICTION_POLICIES)}"
+                f"{', '.join(CACHE_EVICTIONS)}"
             )
         self.fmt = fmt
         self.turn_eviction = eviction == "turn"
@@ -92,7 +94,7 @@ class SpecTreeCore(UnifiedTreeCore):
         self.precuts = fmt is not None and self.component_types == (
             BASE_COMPONENT_TYPE,) and self.page_size == 1
         if self.turn_eviction:
-            from sgl_spec.cache.turn_eviction import TurnAwareStrategy
+            from .eviction import TurnAwareStrategy
 
             self.eviction_strategy = TurnAwareStrategy(self)
 
@@ -116,11 +118,10 @@ class SpecTreeCore(UnifiedTreeCore):
         child.spec.close_off = None if off is None else max(0, off - split_len)
         payloads = child.spec.payloads
         if payloads:
-            upper = {}
-            for name, p in list(payloads.items()):
-                if hasattr(p, "split"):
-                    upper[name], payloads[name] = p.split(split_len)
-            data.payloads = upper or None
+            upper = {name: p for name, p in payloads.items() if p[0] <= split_len}
+            lower = {name: (off - split_len, v) for name, (off, v) in payloads.items()
+                     if off > split_len}
+            data.payloads, child.spec.payloads = upper or None, lower or None
         child.spec.soft = self._cutting
         if not self._cutting:
             # Stock split: the lower part is a new node in stock too, with a fresh
@@ -181,6 +182,35 @@ class SpecTreeCore(UnifiedTreeCore):
                 c.spec.soft = False
                 c.last_access_time = get_and_increase_time_counter()
                 self._refresh_soft_chain(c)
+
+    # ---- payloads -------------------------------------------------------------
+    def attach(self, key: RadixKey, end: int, name: str, value) -> bool:
+        """Keep ``value`` on the node holding token ``end - 1`` of ``key``'s path
+        (tokens ``[0, end)``); False if the tree does not hold them."""
+        node, pos = self.root_node, 0
+        while pos < end:
+            child = node.children.get(key.child_key_at(pos, self.page_size))
+            if child is None:
+                return False
+            node, pos = child, pos + len(child.key)
+        data = node.spec
+        data.payloads = {**(data.payloads or {}), name: (end - (pos - len(node.key)), value)}
+        return True
+
+    def deepest(self, node_id, name: str) -> tuple[int, object] | None:
+        """``(end, value)`` of the deepest ``name`` payload on the path to ``node_id``
+        (every node of a matched path is wholly matched: ``end`` <= the match)."""
+        path, node = [], self._node_arena.get(node_id)
+        while node is not None and node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        depth = sum(len(n.key) for n in path)
+        for n in path:  # deepest first
+            depth -= len(n.key)
+            hit = (n.spec.payloads or {}).get(name)
+            if hit is not None:
+                return depth + hit[0], hit[1]
+        return None
 
     # ---- turn cuts ----------------------------------------------------------
     def cut_path(self, key: RadixKey) -> list:
@@ -344,6 +374,15 @@ class SpecTreeCore(UnifiedTreeCore):
             and ptag.turn == tag.turn
             and (ptag.reasoning or not tag.reasoning)
         )
+
+    def dead_tokens(self, leaf) -> int:
+        """Tokens the dead-reasoning rule frees with ``leaf``: up to its span's start."""
+        node, n = leaf, len(leaf.key)
+        while (node.parent is not self.root_node and len(node.parent.children) == 1
+               and self._continues_dead(node, node.parent, "dead_reasoning")):
+            node = node.parent
+            n += len(node.key)
+        return n
 
     def rule_of(self, node) -> str:
         if not self.turn_eviction:

@@ -1,6 +1,6 @@
 """Pure-torch stand-in for the two ``sgl_kernel`` CPU helpers sglang 0.5.23 calls.
 
-Loaded under the name ``sgl_kernel`` by :mod:`sgl_spec.cpu.import_hooks` on hosts
+Loaded under the name ``sgl_kernel`` by :mod:`.hooks` on hosts
 where no real ``sgl_kernel`` is installed. It registers no ``torch.ops.sgl_kernel``
 ops, so sglang's AMX detection stays False and its plain-torch CPU paths are used.
 sglang imports many other names at module level on CPU (speculative-decoding tree

@@ -8,13 +8,10 @@ idempotent. It makes the name ``sgl_spec`` valid for ``--attention-backend`` and
 
 from __future__ import annotations
 
-NAME = "sgl_spec"
+from sgl_spec import BACKEND_NAME as NAME
 
 
 def register() -> None:
-    from sgl_spec.sglang_compat import check_version
-
-    check_version()
     _register_radix_cache()
     _register_attention()
 
@@ -26,7 +23,7 @@ def _register_radix_cache() -> None:
     )
 
     if get_radix_cache_factory(NAME) is None:
-        from sgl_spec.cache.radix import create_cache
+        from .radix import create_cache
 
         register_radix_cache_backend(NAME, create_cache)
 
@@ -44,6 +41,6 @@ def _register_attention() -> None:
     if NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([NAME])
     if NAME not in ATTENTION_BACKENDS:
-        from sgl_spec.attention.backend import create_backend
+        from .attention import create_backend
 
         register_attention_backend(NAME)(create_backend)

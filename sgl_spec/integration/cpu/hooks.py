@@ -1,9 +1,12 @@
 """A meta-path finder that supplies ``sgl_kernel`` and patches modules on import.
 
+Installed by ``sgl_spec.boot``'s gate the first time sglang, sgl_kernel or
+torchvision is imported:
+
 * ``sgl_kernel``: when no real distribution provides it (the PyPI sglang-kernel is
-  CUDA-only), :mod:`sgl_spec.cpu.sgl_kernel_shim` is loaded under that name.
-* before ``torchvision`` executes: :func:`sgl_spec.cpu.torchvision_ops.ensure_ops`.
-* after the sglang host-pool modules execute: :mod:`sgl_spec.cpu.hicache` patches.
+  CUDA-only), :mod:`.sgl_kernel_shim` is loaded under that name.
+* before ``torchvision`` executes: :func:`.torchvision_ops.ensure_ops`.
+* after the sglang host-pool modules execute: :mod:`.hicache` patches.
 * after ``sglang.lang.chat_template`` executes (every host): a matcher that gives
   the default model's directory the ChatML template in the frontend language.
 * after sglang's scheduler ``internal_state`` module executes (every host): the
@@ -26,37 +29,37 @@ _Hook = Callable[[object], None]
 
 
 def _before_torchvision(_module) -> None:
-    from sgl_spec.cpu.torchvision_ops import ensure_ops
+    from .torchvision_ops import ensure_ops
 
     ensure_ops()
 
 
 def _after_pool_host_common(module) -> None:
-    from sgl_spec.cpu.hicache import patch_pool_host_common
+    from .hicache import patch_pool_host_common
 
     patch_pool_host_common(module)
 
 
 def _after_pool_host_base(module) -> None:
-    from sgl_spec.cpu.hicache import patch_pool_host_base
+    from .hicache import patch_pool_host_base
 
     patch_pool_host_base(module)
 
 
 def _after_pool_host_mha(module) -> None:
-    from sgl_spec.cpu.hicache import patch_pool_host_mha
+    from .hicache import patch_pool_host_mha
 
     patch_pool_host_mha(module)
 
 
 def _after_cache_controller(module) -> None:
-    from sgl_spec.cpu.hicache import patch_cache_controller
+    from .hicache import patch_cache_controller
 
     patch_cache_controller(module)
 
 
 def _after_resolution_hooks(module) -> None:
-    from sgl_spec.cpu.hicache import register_cpu_hicache_defaults
+    from .hicache import register_cpu_hicache_defaults
 
     register_cpu_hicache_defaults(module)
 
@@ -67,14 +70,14 @@ def _after_chat_template(module) -> None:
     register_frontend_matchers(module)
 
 
-# Hooks active on every host.
-BEFORE: dict[str, _Hook] = {}
 def _after_internal_state(module) -> None:
-    from sgl_spec.cache.endpoint import patch_internal_state
+    from sgl_spec.integration.endpoint import patch_internal_state
 
     patch_internal_state(module)
 
 
+# Hooks active on every host.
+BEFORE: dict[str, _Hook] = {}
 AFTER: dict[str, _Hook] = {
     "sglang.lang.chat_template": _after_chat_template,
     "sglang.srt.managers.scheduler_components.internal_state": _after_internal_state,
@@ -127,8 +130,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def install(cpu: bool) -> None:
-    """Put the finder first on sys.meta_path (idempotent).
+def install(cpu: bool) -> _Finder:
+    """Put the finder first on sys.meta_path (idempotent); returns it.
 
     ``cpu``: also supply ``sgl_kernel`` and apply the CPU-only patches.
     """
@@ -137,6 +140,9 @@ def install(cpu: bool) -> None:
         _shim_enabled = True
         BEFORE.update(_CPU_BEFORE)
         AFTER.update(_CPU_AFTER)
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
-
+    for f in sys.meta_path:
+        if isinstance(f, _Finder):
+            return f
+    finder = _Finder()
+    sys.meta_path.insert(0, finder)
+    return finder

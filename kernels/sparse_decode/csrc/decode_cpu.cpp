@@ -1,0 +1,285 @@
+// Decode attention over a KV subset, read straight from the paged KV pool (CPU).
+//
+// The subset contract is kernels/sparse_decode/common.py's: for request b and KV head
+// h the attended positions are the virtual list
+//     sink [0, S_b) | selection sel_idx[b, h, :sel_len[b, h]] | recent [R_b, seq_len_b)
+// with S_b = min(sink, seq_len_b) and R_b = max(recent_start_b, S_b); a dense row is
+// sink 0, no selection, recent_start 0. Position p of request b lives in pool slot
+// req_to_token[rows[b], p]; its key is k_buf[slot, h, :].
+//
+// Work items are (b, h, chunk of CHUNK list entries), so one long request still keeps
+// every thread busy (split-K). An item maps its entries to pool rows, computes the
+// scores of its G query heads (16 keys at a time: D/16 vector multiply-adds per key
+// row, converted from bf16/fp16 once for the G heads, then a transpose-reduce into 16
+// scores), an exact softmax over the chunk, and P.V with each value row loaded once;
+// it keeps its max, sum and unnormalised output. A second pass merges the chunks of
+// each (b, h) by their maxima. No K/V is gathered or copied: decode reads each row once.
+// The torch reference is reference.sparse_decode_reference; the tests compare the two.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "vec16.h"
+
+namespace {
+
+using namespace sgl_spec_vec;
+
+constexpr int64_t CHUNK = 256;  // list entries per work item (a multiple of W)
+
+enum Kind { F32 = 0, BF16 = 1, F16 = 2 };
+
+template <int KIND>
+inline vf ld_kv(const void* p, int64_t off) {
+  if constexpr (KIND == F32) return ld(static_cast<const float*>(p) + off);
+  else if constexpr (KIND == BF16) return ld_bf16(static_cast<const uint16_t*>(p) + off);
+  else return ld_f16(static_cast<const uint16_t*>(p) + off);
+}
+
+struct Subsets {
+  const int32_t* r2t;
+  int64_t r2t_stride;
+  const int64_t* rows;          // [B]
+  const int64_t* seq_lens;      // [B]
+  const int64_t* sel;           // [B, Hkv, S]
+  int64_t sel_sb, sel_sh;       // its strides
+  const int64_t* sel_len;       // [B, Hkv]
+  const int64_t* recent_start;  // [B]
+  int64_t sink, hkv;
+
+  // Entries of (b, h)'s list, and where its three parts start.
+  inline int64_t length(int64_t b, int64_t h, int64_t* s_end, int64_t* recent) const {
+    const int64_t n = seq_lens[b];
+    *s_end = std::min(sink, n);
+    *recent = std::max(recent_start[b], *s_end);
+    return *s_end + sel_len[b * hkv + h] + (n - *recent);
+  }
+};
+
+struct Pools {
+  const void* k;
+  const void* v;
+  int64_t ks0, ks1, vs0, vs1;  // element strides of [slots, Hkv, D]
+};
+
+// Prefetch a K/V row (D elements of KV's width) into the caches.
+template <int D, int KIND>
+inline void prefetch_row(const void* base, int64_t off) {
+  constexpr int BYTES = D * (KIND == F32 ? 4 : 2);
+  const char* p = static_cast<const char*>(base) + off * (KIND == F32 ? 4 : 2);
+  for (int b = 0; b < BYTES; b += 64) __builtin_prefetch(p + b);
+}
+
+template <int D, int G, int KIND>
+void run(const float* q, const Pools& kv, const Subsets& ix, int64_t B, int64_t nc, float* out) {
+  constexpr int U = D / W;
+  const int64_t hkv = ix.hkv;
+  const int64_t items = B * hkv * nc;  // item (b, h, c) at (b * hkv + h) * nc + c
+  std::vector<float> pm(items * G, NEG_INF), pl(items * G, 0.f), po(items * G * D);
+  // The non-empty items, chunk-major, dealt round-robin to the threads: a long
+  // request's chunks spread over all of them, whatever the mix of lengths.
+  std::vector<int64_t> work;
+  for (int64_t c = 0; c < nc; ++c)
+    for (int64_t bh = 0; bh < B * hkv; ++bh) {
+      int64_t s_end, recent;
+      if (c * CHUNK < ix.length(bh / hkv, bh % hkv, &s_end, &recent)) work.push_back(bh * nc + c);
+    }
+  const int64_t nw = static_cast<int64_t>(work.size());
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), nw);
+  at::parallel_for(0, nt, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<int64_t> krow(CHUNK + W), vrow(CHUNK);
+    std::vector<float> s(G * CHUNK);
+    for (int64_t w = w0; w < w1; ++w)
+    for (int64_t wi = w; wi < nw; wi += nt) {
+      const int64_t it = work[wi];
+      const int64_t c = it % nc, bh = it / nc, h = bh % hkv, b = bh / hkv;
+      int64_t s_end, recent;
+      const int64_t n = ix.length(b, h, &s_end, &recent);
+      const int64_t j0 = c * CHUNK, m = std::min(n, j0 + CHUNK) - j0;
+      float* im = pm.data() + it * G;
+      float* il = pl.data() + it * G;
+      const int64_t sel_end = s_end + ix.sel_len[b * hkv + h];
+      const int32_t* r2t = ix.r2t + ix.rows[b] * ix.r2t_stride;
+      const int64_t* sel = ix.sel + b * ix.sel_sb + h * ix.sel_sh;
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t e = j0 + j;
+        const int64_t pos = e < s_end ? e : (e < sel_end ? sel[e - s_end] : recent + (e - sel_end));
+        const int64_t slot = r2t[pos];
+        krow[j] = slot * kv.ks0 + h * kv.ks1;
+        vrow[j] = slot * kv.vs0 + h * kv.vs1;
+      }
+      const int64_t mp = (m + W - 1) / W * W;
+      for (int64_t j = m; j < mp + W; ++j) krow[j] = krow[m - 1];  // pad: repeat, masked below
+      vf qv[G][U];
+      const float* qb = q + (b * hkv + h) * G * D;
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < U; ++u) qv[g][u] = ld(qb + g * D + u * W);
+      for (int64_t t0 = 0; t0 < mp; t0 += W) {  // scores of 16 keys for the G heads
+        vf acc[G][W];
+        for (int jj = 0; jj < W; ++jj) prefetch_row<D, KIND>(kv.k, krow[t0 + W + jj]);
+        for (int jj = 0; jj < W; ++jj) {
+          vf kr[U];
+          for (int u = 0; u < U; ++u) kr[u] = ld_kv<KIND>(kv.k, krow[t0 + jj] + u * W);
+          for (int g = 0; g < G; ++g) {
+            vf a = qv[g][0] * kr[0];
+            for (int u = 1; u < U; ++u) a += qv[g][u] * kr[u];
+            acc[g][jj] = a;
+          }
+        }
+        for (int g = 0; g < G; ++g) st(s.data() + g * CHUNK + t0, reduce16(acc[g]));
+      }
+      for (int g = 0; g < G; ++g) {
+        float* sg = s.data() + g * CHUNK;
+        for (int64_t j = m; j < mp; ++j) sg[j] = NEG_INF;
+        vf mx = splat(NEG_INF);
+        for (int64_t t0 = 0; t0 < mp; t0 += W) {
+          const vf x = ld(sg + t0);
+          mx = x > mx ? x : mx;
+        }
+        const float base = hmax(mx);
+        vf sum = splat(0.f);
+        for (int64_t t0 = 0; t0 < mp; t0 += W) {
+          const vf e = exp_nonpos(ld(sg + t0) - base);
+          st(sg + t0, e);
+          sum += e;
+        }
+        im[g] = base;
+        il[g] = hsum(sum);
+      }
+      vf o[G][U];
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < U; ++u) o[g][u] = splat(0.f);
+      for (int64_t j = 0; j < std::min<int64_t>(m, W); ++j) prefetch_row<D, KIND>(kv.v, vrow[j]);
+      for (int64_t j = 0; j < m; ++j) {  // each value row once for the G heads
+        if (j + W < m) prefetch_row<D, KIND>(kv.v, vrow[j + W]);
+        vf vv[U];
+        for (int u = 0; u < U; ++u) vv[u] = ld_kv<KIND>(kv.v, vrow[j] + u * W);
+        for (int g = 0; g < G; ++g) {
+          const float w = s[g * CHUNK + j];
+          for (int u = 0; u < U; ++u) o[g][u] += w * vv[u];
+        }
+      }
+      float* io = po.data() + it * G * D;
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < U; ++u) st(io + g * D + u * W, o[g][u]);
+    }
+  });
+  // Merge the chunks of each (b, h, g) by their maxima.
+  at::parallel_for(0, B * hkv, 16, [&](int64_t a, int64_t z) {
+    for (int64_t bh = a; bh < z; ++bh) {
+      for (int g = 0; g < G; ++g) {
+        float mx = NEG_INF;
+        for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, pm[(bh * nc + c) * G + g]);
+        float total = 0.f;
+        vf acc[U];
+        for (int u = 0; u < U; ++u) acc[u] = splat(0.f);
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t it = bh * nc + c;
+          if (pl[it * G + g] == 0.f) continue;
+          const float w = std::exp(pm[it * G + g] - mx);
+          total += w * pl[it * G + g];
+          for (int u = 0; u < U; ++u) acc[u] += w * ld(po.data() + (it * G + g) * D + u * W);
+        }
+        const float inv = 1.f / total;
+        for (int u = 0; u < U; ++u) st(out + (bh * G + g) * D + u * W, acc[u] * inv);
+      }
+    }
+  });
+}
+
+using RunFn = void (*)(const float*, const Pools&, const Subsets&, int64_t, int64_t, float*);
+
+template <int D, int KIND>
+RunFn pick_g(int64_t g) {
+  switch (g) {
+#define SGL_SPEC_G(N) case N: return run<D, N, KIND>;
+    SGL_SPEC_G(1) SGL_SPEC_G(2) SGL_SPEC_G(3) SGL_SPEC_G(4)
+    SGL_SPEC_G(5) SGL_SPEC_G(6) SGL_SPEC_G(7) SGL_SPEC_G(8)
+#undef SGL_SPEC_G
+  }
+  return nullptr;
+}
+
+template <int KIND>
+RunFn pick_d(int64_t d, int64_t g) {
+  switch (d) {
+    case 32: return pick_g<32, KIND>(g);
+    case 64: return pick_g<64, KIND>(g);
+    case 128: return pick_g<128, KIND>(g);
+  }
+  return nullptr;
+}
+
+RunFn pick(at::ScalarType t, int64_t d, int64_t g) {
+  switch (t) {
+    case at::kFloat: return pick_d<F32>(d, g);
+    case at::kBFloat16: return pick_d<BF16>(d, g);
+    case at::kHalf: return pick_d<F16>(d, g);
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool supported(at::ScalarType kv_dtype, int64_t head_dim, int64_t group) {
+  return pick(kv_dtype, head_dim, group) != nullptr;
+}
+
+// q [B, Hq, D] fp32 (scaled, contiguous); k_buf, v_buf [slots, Hkv, D] (fp32, bf16 or
+// fp16, last dim contiguous); req_to_token [max_reqs, max_context] int32; rows,
+// seq_lens, recent_start [B] int64; sel_idx [B, Hkv, S] int64; sel_len [B, Hkv] int64.
+// Returns out [B, Hq, D] fp32.
+at::Tensor decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor req_to_token,
+                  at::Tensor rows, at::Tensor seq_lens, at::Tensor sel_idx, at::Tensor sel_len,
+                  at::Tensor recent_start, int64_t sink) {
+  for (const auto& t : {q, k_buf, v_buf, req_to_token, rows, seq_lens, sel_idx, sel_len,
+                        recent_start})
+    TORCH_CHECK(t.device().is_cpu(), "decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "decode: q must be a contiguous fp32 [B, Hq, D]");
+  TORCH_CHECK(k_buf.dim() == 3 && v_buf.dim() == 3 && k_buf.scalar_type() == v_buf.scalar_type(),
+              "decode: k_buf, v_buf must be [slots, Hkv, D] of one dtype");
+  TORCH_CHECK(k_buf.stride(2) == 1 && v_buf.stride(2) == 1, "decode: K/V rows must be contiguous");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
+              "decode: req_to_token must be int32 with contiguous rows");
+  for (const auto& t : {rows, seq_lens, sel_idx, sel_len, recent_start})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous(),
+                "decode: index tensors must be contiguous int64");
+  const int64_t B = q.size(0), hq = q.size(1), D = q.size(2), hkv = k_buf.size(1);
+  TORCH_CHECK(hq % hkv == 0 && k_buf.size(2) == D && v_buf.size(2) == D && v_buf.size(1) == hkv,
+              "decode: q [B, Hq, D] does not fit k_buf/v_buf [slots, Hkv, D]");
+  TORCH_CHECK(sel_idx.dim() == 3 && sel_idx.size(0) == B && sel_idx.size(1) == hkv,
+              "decode: sel_idx must be [B, Hkv, S]");
+  RunFn fn = pick(k_buf.scalar_type(), D, hq / hkv);
+  TORCH_CHECK(fn != nullptr, "decode: head_dim in {32, 64, 128}, 1..8 query heads per KV head and "
+              "fp32/bf16/fp16 K/V, got head_dim ", D, ", group ", hq / hkv, ", ",
+              k_buf.scalar_type());
+  Subsets ix{req_to_token.data_ptr<int32_t>(), req_to_token.stride(0), rows.data_ptr<int64_t>(),
+             seq_lens.data_ptr<int64_t>(), sel_idx.data_ptr<int64_t>(),
+             sel_idx.size(1) * sel_idx.size(2), sel_idx.size(2), sel_len.data_ptr<int64_t>(),
+             recent_start.data_ptr<int64_t>(), sink, hkv};
+  int64_t longest = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(seq_lens.data_ptr<int64_t>()[b] >= 1 &&
+                    recent_start.data_ptr<int64_t>()[b] < seq_lens.data_ptr<int64_t>()[b],
+                "decode: need 0 <= recent_start < seq_len for every row");
+    for (int64_t h = 0; h < hkv; ++h) {
+      int64_t s_end, recent;
+      longest = std::max(longest, ix.length(b, h, &s_end, &recent));
+    }
+  }
+  Pools kv{k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1),
+           v_buf.stride(0), v_buf.stride(1)};
+  auto out = at::empty({B, hq, D}, q.options());
+  fn(q.data_ptr<float>(), kv, ix, B, (longest + CHUNK - 1) / CHUNK, out.data_ptr<float>());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode, "decode attention over KV subsets of a paged pool");
+  m.def("supported", &supported, "whether (kv dtype, head_dim, group) is instantiated");
+}

@@ -1,0 +1,88 @@
+"""sgl_spec's attention path, free of sglang: one plan per forward pass, one run per layer.
+
+The integration's backend builds a ``BatchView`` in ``init_forward_metadata`` and
+calls ``plan`` (once per pass, before the layers); each layer then writes its K/V and
+calls ``decode`` or ``extend`` with the plan. The plan holds everything the layers
+share: the decode subsets and policy row groups (``decode.Decoder``), the extend
+spans, LoopServe's sparse extends with their seeds (``prefill.SparsePrefill``) and the
+prompts a policy scores (SnapKV). Retrieval heads, round selections and tiered KV
+plug in here as further parts of the plan.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .batch import BatchView
+from .decode import DecodePlan, Decoder, ScoreRow
+from .extend import Span, exact_extend, spans
+from .prefill import SparsePrefill, Turn
+
+
+class ExtendPlan(NamedTuple):
+    spans: list[Span]
+    turns: dict[int, Turn]  # batch index -> its sparse prefill (LoopServe)
+    scored: list[ScoreRow]  # prompts the decode policy scores (SnapKV)
+
+
+class AttentionPlan(NamedTuple):
+    decode: DecodePlan | None = None
+    extend: ExtendPlan | None = None
+
+
+class AttentionCore:
+    """Not thread-safe: the scheduler thread that runs the forward pass owns it."""
+
+    def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None):
+        self.decoder = decoder
+        self.prefill = prefill
+
+    def plan(self, batch: BatchView) -> AttentionPlan:
+        if batch.mode == "decode":
+            return AttentionPlan(decode=self.decoder.plan(batch))
+        if batch.mode != "extend":
+            return AttentionPlan()
+        turns = self.prefill.plan(batch) if self.prefill is not None else {}
+        return AttentionPlan(extend=ExtendPlan(spans(batch), turns,
+                                               self.decoder.plan_extend(batch)))
+
+    def decode(
+        self,
+        plan: AttentionPlan,
+        layer: int,
+        q: torch.Tensor,  # [B, Hq, D]
+        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's pool, pass written
+        v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+        out: torch.Tensor,  # [B, Hq, Dv], written
+        scale: float,
+    ) -> torch.Tensor:
+        return self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
+
+    def extend(
+        self,
+        plan: AttentionPlan,
+        layer: int,
+        q: torch.Tensor,  # [num_new_tokens, Hq, D]
+        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's pool, pass written
+        v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+        out: torch.Tensor,  # [num_new_tokens, Hq, Dv], written
+        scale: float,
+    ) -> torch.Tensor:
+        ext = plan.extend
+        for i, sp in enumerate(ext.spans):
+            slots = sp.slots.long()
+            k, v = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
+            qi = q[sp.q_start : sp.q_end]
+            turn = ext.turns.get(i)
+            if turn is None:
+                out[sp.q_start : sp.q_end] = exact_extend(qi, k, v, sp.prefix, scale)
+            else:
+                out[sp.q_start : sp.q_end] = self.prefill.extend(
+                    turn, layer, qi, k, v, sp.prefix, scale,
+                    lambda qi=qi, k=k, v=v, sp=sp: exact_extend(qi, k, v, sp.prefix, scale))
+        for r in ext.scored:
+            keys = k_buf.index_select(0, ext.spans[r.index].slots.long())
+            self.decoder.policy.prefill_layer(r.rid, layer, q[r.q_start : r.q_end], keys)
+        return out

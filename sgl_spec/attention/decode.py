@@ -1,0 +1,285 @@
+"""Decode attention as plan/run: one plan per forward pass, one kernel call per layer.
+
+``Decoder.plan(batch)`` runs once per pass, before the layers. It steps each request's
+selection policy (host side, ``sgl_spec.sparse``) and packs the pass into device index
+tensors: the ``DecodeSubsets`` every layer attends (exact rows: their whole history;
+sparse rows: sink + selection + recent window), and the rows whose queries the policy
+keeps or whose selection it renews. ``Decoder.run(plan, layer, ...)`` per layer makes
+at most three batched policy calls (observe, reselect, selection) and one kernel call
+for all rows: no Python loop over requests in the layers.
+
+Exact mode is a decoder without a policy: every row attends its whole history through
+the same kernel (the C++ CPU kernel where it builds, else SDPA's fused kernel).
+
+State lifetime: a request's policy state is created on its first decode step (SnapKV:
+at the end of its prefill, prompts >= ``min_context`` only), keyed by rid, and freed by
+``release(rid)``, which the integration wires to the radix cache's releases (finished,
+aborted and retracted requests). Requests that leave without a release (a tree cache
+other than sgl_spec's, a streaming session keeping its KV row) are dropped once absent
+from ``stale_after`` forward passes; a dropped request that comes back restarts its
+state. A request whose history did not grow since its last step was re-prefilled: it
+restarts too.
+
+Not thread-safe: the scheduler thread that runs the forward pass makes every call.
+Tensors passed in are read, never kept, except ``out``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from sgl_spec.kernels.sparse_decode import (
+    IMPLS,
+    DecodeSubsets,
+    default_impl,
+    dense_subsets,
+    sparse_decode,
+)
+from sgl_spec.sparse.policy import AttnShape, Kind, ReselectBatch, SelectionPolicy
+
+from .batch import BatchView
+
+logger = logging.getLogger(__name__)
+
+# Forward passes a tracked request may be absent from before its state is dropped.
+STALE_AFTER = 512
+
+
+class Metrics(Protocol):
+    """What the decoder reports to (``sgl_spec.attention.metrics.SparseMetrics``)."""
+
+    def observe_step(self, exact: int, selected: Sequence[float]) -> None: ...
+    def observe_reselections(self, n: int) -> None: ...
+    def set_live_states(self, n: int) -> None: ...
+
+
+@dataclass
+class DecodeStats:
+    """Cumulative counts of this decoder (a request-step: one row of one decode pass)."""
+
+    sparse_steps: int = 0
+    exact_steps: int = 0
+    reselections: int = 0
+    selected_tokens: float = 0.0  # attended positions summed over sparse request-steps
+    stale_drops: int = 0
+
+
+class Group(NamedTuple):
+    """Rows of the pass a per-layer policy call serves."""
+
+    idx: torch.Tensor  # [R] int64 rows of the batch
+    slots: torch.Tensor  # [R] int64 their policy slots
+
+
+class ScoreRow(NamedTuple):
+    """A prompt a policy scores at the end of its prefill (SnapKV)."""
+
+    rid: str
+    seq_len: int
+    index: int  # its position in the batch
+    q_start: int  # its observation queries: q[q_start:q_end] of the extend pass
+    q_end: int
+
+
+class DecodePlan(NamedTuple):
+    subsets: DecodeSubsets  # all rows; sel_idx is filled per layer when `sparse` is set
+    sparse: Group | None = None  # rows attending a selection (policy width > 0)
+    observe: tuple[Group, torch.Tensor] | None = None  # rows whose queries are kept, ring idx
+    reselect: tuple[Group, ReselectBatch, torch.Tensor] | None = None  # + key slots [R, N]
+
+
+class Decoder:
+    def __init__(
+        self,
+        shape: AttnShape,
+        policy: SelectionPolicy | None = None,  # None: exact mode
+        *,
+        impl: str | None = None,  # kernel impl; None: sparse_decode's default per call
+        metrics: Metrics | None = None,
+        stale_after: int = STALE_AFTER,
+    ):
+        if stale_after < 1:
+            raise ValueError(f"stale_after must be >= 1, got {stale_after}")
+        if impl is not None and impl not in IMPLS:
+            raise ValueError(f"impl {impl!r} is invalid; valid: {', '.join(IMPLS)}")
+        self.shape = shape
+        self.policy = policy
+        self.impl = impl
+        self.metrics = metrics
+        self.stale_after = stale_after
+        self.stats = DecodeStats()
+        self._forward = 0  # forward passes planned
+        self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
+
+    # ------------------------------------------------------------ lifetime
+
+    @property
+    def live_states(self) -> int:
+        return len(self._last_seen)
+
+    def release(self, rid: str) -> None:
+        """Free the request's state (finished, aborted, retracted). Unknown rids are fine."""
+        if self._last_seen.pop(rid, None) is not None:
+            self.policy.release(rid)
+            if self.metrics is not None:
+                self.metrics.set_live_states(len(self._last_seen))
+
+    def start(self, rid: str, prompt_len: int) -> None:
+        self.release(rid)
+        self.policy.start(rid, prompt_len)
+        self._last_seen[rid] = self._forward
+        if self.metrics is not None:
+            self.metrics.set_live_states(len(self._last_seen))
+
+    def seen(self, rid: str) -> None:
+        self._last_seen[rid] = self._forward
+
+    def next_pass(self) -> None:
+        """Count a forward pass and drop states absent from the last ``stale_after``."""
+        self._forward += 1
+        if self.policy is None or self._forward % 64:
+            return  # sweeping every pass would cost O(live) for nothing
+        cutoff = self._forward - self.stale_after
+        stale = [rid for rid, seen in self._last_seen.items() if seen < cutoff]
+        for rid in stale:
+            self.release(rid)
+        if stale:
+            self.stats.stale_drops += len(stale)
+            logger.info("sparse decode: dropped %d state(s) unseen for %d passes: %s",
+                        len(stale), self.stale_after, stale[:4])
+
+    # ------------------------------------------------------------ plan
+
+    def plan(self, batch: BatchView) -> DecodePlan:
+        """Step every request of a decode pass and pack the pass for the layers."""
+        self.next_pass()
+        dense = dense_subsets(batch.req_to_token, batch.rows, batch.seq_lens_t,
+                              self.shape.num_kv_heads)
+        if self.policy is None:
+            self._count(batch.size, [])
+            return DecodePlan(dense)
+        policy, cfg = self.policy, self.policy.cfg
+        steps = []
+        for rid, n in zip(batch.rids, batch.seq_lens, strict=True):
+            st = policy.states.get(rid)
+            if st is not None and n <= st.seq_len:
+                self.release(rid)  # re-prefilled under the same rid: start over
+            if rid not in policy.states:
+                if policy.needs_prefill_queries:
+                    steps.append(None)  # its state is made at prefill
+                    continue
+                self.start(rid, max(1, n - 1))  # the prompt is what prefill wrote
+            self.seen(rid)
+            steps.append(policy.step(rid, n))
+        kinds = [s.kind if s is not None else Kind.EXACT for s in steps]
+        sparse = [b for b, k in enumerate(kinds) if k == Kind.SPARSE]
+        selected = [min(cfg.sink, n) + policy.width + n - max(s.recent_start, min(cfg.sink, n))
+                    for s, n in zip(steps, batch.seq_lens) if s is not None and s.kind == Kind.SPARSE]
+        self._count(batch.size - len(sparse), selected)
+        if not sparse and not any(s is not None and s.observe >= 0 for s in steps):
+            return DecodePlan(dense)  # exact mode's very call
+        dev = batch.rows.device
+        slot = lambda b: policy.states[batch.rids[b]].slot  # noqa: E731
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
+        subsets = dense
+        group = None
+        if sparse:
+            width, hkv = policy.width, self.shape.num_kv_heads
+            recent = [s.recent_start if k == Kind.SPARSE else 0 for s, k in zip(steps, kinds)]
+            sel_len = t([width if k == Kind.SPARSE else 0 for k in kinds])[:, None].expand(-1, hkv)
+            sel = torch.zeros(batch.size, hkv, width, dtype=torch.int64, device=dev)
+            subsets = DecodeSubsets(batch.req_to_token, batch.rows, batch.seq_lens_t, sel,
+                                    sel_len.contiguous(), t(recent), cfg.sink)
+            group = Group(t(sparse), t([slot(b) for b in sparse]))
+        obs = [b for b, s in enumerate(steps) if s is not None and s.observe >= 0]
+        observe = None
+        if obs:
+            observe = (Group(t(obs), t([slot(b) for b in obs])), t([steps[b].observe for b in obs]))
+        rs = [b for b in sparse if steps[b].reselect]
+        reselect = None
+        if rs:
+            self.stats.reselections += len(rs)
+            if self.metrics is not None:
+                self.metrics.observe_reselections(len(rs))
+            rb = policy.reselect_batch([batch.rids[b] for b in rs], dev)
+            reselect = (Group(t(rs), rb.slots), rb, _key_slots(batch, rs))
+        return DecodePlan(subsets, group, observe, reselect)
+
+    def _count(self, exact: int, selected: list[int]) -> None:
+        self.stats.exact_steps += exact
+        self.stats.sparse_steps += len(selected)
+        self.stats.selected_tokens += sum(selected)
+        if self.metrics is not None:
+            self.metrics.observe_step(exact, selected)
+
+    # ------------------------------------------------------------ run
+
+    def run(
+        self,
+        plan: DecodePlan,
+        layer: int,
+        q: torch.Tensor,  # [B, Hq, D] this layer's queries, one row per request
+        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's K pool (current token written)
+        v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
+        out: torch.Tensor,  # [B, Hq, Dv], q.dtype: written
+        scale: float,
+    ) -> torch.Tensor:
+        """One layer of the pass: the policy's batched calls, then one kernel call."""
+        sub = plan.subsets
+        if plan.observe is not None:
+            group, ring = plan.observe
+            self.policy.observe(layer, q.index_select(0, group.idx), group.slots, ring)
+        if plan.reselect is not None:
+            group, rb, key_slots = plan.reselect
+            n, hkv, d = key_slots.shape[1], k_buf.shape[1], k_buf.shape[2]
+            keys = k_buf.index_select(0, key_slots.view(-1)).view(-1, n, hkv, d)
+            self.policy.reselect(layer, keys, rb)
+        if plan.sparse is not None and sub.sel_idx.shape[2]:
+            sel = self.policy.selection(layer, plan.sparse.slots)
+            sub.sel_idx.index_copy_(0, plan.sparse.idx, sel)
+        if self.impl is None:
+            self.impl = default_impl(q, k_buf)
+        return sparse_decode(q, k_buf, v_buf, sub, scale=scale, impl=self.impl, out=out)
+
+    # ------------------------------------------------------------ prefill (SnapKV)
+
+    def plan_extend(self, batch: BatchView) -> list[ScoreRow]:
+        """Start the states of a policy that scores the prompt (SnapKV); returns the
+        rows whose last ``window`` queries of the pass score their prompt.
+
+        A chunked prompt is scored at each chunk of a pass that ends some prompt; the
+        last chunk's scoring wins (sglang does not say which request's prompt ends).
+        Rows of a mixed batch that are decoding (one token, state already stepping)
+        keep their state and attend exactly in this pass.
+        """
+        self.next_pass()
+        if self.policy is None:
+            return []
+        out, q_end = [], 0
+        for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens,
+                                            strict=True)):
+            q_start, q_end = q_end, q_end + e
+            st = self.policy.states.get(rid)
+            if st is not None:
+                self.seen(rid)
+                if e == 1 and st.step >= 0:
+                    continue  # a decoding row of a mixed batch
+            if (batch.final_chunk and self.policy.needs_prefill_queries
+                    and n >= self.policy.cfg.min_context):
+                self.start(rid, n)
+                out.append(ScoreRow(rid, n, i, q_end - min(e, self.policy.cfg.window), q_end))
+        return out
+
+
+def _key_slots(batch: BatchView, rows: list[int]) -> torch.Tensor:
+    """[R, N] int64 pool slots of the rows' histories, padded with their last slot."""
+    dev = batch.rows.device
+    seq = torch.tensor([batch.seq_lens[b] for b in rows], dtype=torch.int64, device=dev)
+    pool_rows = torch.tensor([batch.pool_rows[b] for b in rows], dtype=torch.int64, device=dev)
+    pos = torch.arange(int(seq.max()), device=dev)[None, :].minimum(seq[:, None] - 1)
+    return batch.req_to_token[pool_rows[:, None], pos].long()

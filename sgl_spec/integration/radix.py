@@ -1,0 +1,187 @@
+"""sgl_spec's radix-cache backend (``--radix-cache-backend sgl_spec``): sglang's side.
+
+Subclasses of sglang's UnifiedRadixCache, built through sglang's own
+``create_unified_radix_cache`` so HiCache attachment keeps working:
+
+* ``SpecRadixCache`` (default flags): sglang's default tree core (compiled), so the
+  cache's own path costs what stock's does plus recording each insert's token ids
+  (``tree_view.SlotTokens``) for ``GET /sgl_spec/cache``, which derives turns and
+  rounds on demand;
+* ``TaggedRadixCache`` (``SpecConfig.tagged_cache``: ``--spec-cache-eviction turn``, or
+  LoopServe prefill with reuse): the turn-tagged tree core (``tree_core``), whose nodes
+  carry turn tags and payloads. LoopServe's lines kept per turn are a payload of the
+  node where the turn's extend ends; matches and checkpoints hand the deepest ones on a
+  request's path to the attention path as seeds (``sgl_spec.requests.HUB``).
+
+Both tell ``HUB`` when the scheduler releases a request (finished, aborted,
+retracted), so per-request state kept outside the tree is freed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
+from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+    get_tree_core_factory,
+    register_tree_core_backend,
+)
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+from sgl_spec.cache.metrics import CacheMetrics
+from sgl_spec.cache.summary import summary, totals
+from sgl_spec.cache.turn_format import TurnFormat
+from sgl_spec.config import SpecConfig, current
+from sgl_spec.requests import HUB, Lines
+
+from .tree_core import SpecTreeCore
+from .tree_view import SlotTokens, node_segments
+
+logger = logging.getLogger(__name__)
+
+TREE_CORE = "sgl_spec"
+LINES = "lines"  # the payload name of LoopServe's kept lines
+
+
+def _tree_core_factory(params, components):
+    fmt, eviction = params.sgl_spec_turns
+    return SpecTreeCore(params, components, fmt=fmt, eviction=eviction)
+
+
+if get_tree_core_factory(TREE_CORE) is None:
+    register_tree_core_backend(TREE_CORE, _tree_core_factory)
+
+
+class SpecRadixCache(UnifiedRadixCache):
+    """UnifiedRadixCache on sglang's default tree core, with turns derived on demand."""
+
+    tree_core_name = "compiled"
+
+    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
+        self.turn_format = fmt
+        self.spec_cfg = cfg
+        super().__init__(params)
+        # sglang falls back to its Python core where the compiled one cannot serve;
+        # that one's nodes are walked directly.
+        self._slots = None
+        if not _walkable(self.tree_core):
+            alloc = params.token_to_kv_pool_allocator
+            self._slots = SlotTokens(4 * (alloc.size if alloc is not None else 1 << 16))
+        self.spec_metrics = CacheMetrics() if params.enable_metrics else None
+
+    def insert(self, params):
+        result = super().insert(params)
+        if params.value is not None and not self.disable:
+            self._record(params, result)
+            if self.spec_metrics is not None and self.spec_metrics.due():
+                self._update_metrics()
+        return result
+
+    def _record(self, params, result) -> None:
+        slots = self._slots
+        if slots is not None and not params.key.is_bigram:
+            slots.record(params.key.token_ids, params.value)
+
+    def reset(self):
+        super().reset()
+        if getattr(self, "_slots", None) is not None:
+            self._slots.reset()
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        HUB.release(req.rid)
+
+    def segments(self):
+        if self._slots is not None:
+            return self._slots.segments(self.tree_core)
+        return node_segments(self.tree_core)
+
+    def _freed(self) -> dict[str, int]:
+        return getattr(self.tree_core, "freed_by_rule", {"lru": 0})
+
+    def _update_metrics(self) -> None:
+        self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed())
+
+    def summary(self) -> dict:
+        """The tree summary served at ``GET /sgl_spec/cache``."""
+        segs = self.segments()
+        out = summary(segs, self.turn_format, tree_core=self.tree_core_name,
+                      eviction=self.spec_cfg.cache.eviction, freed_by_rule=self._freed(),
+                      dead=self._dead())
+        if self.spec_metrics is not None and self.spec_metrics.due(force=True):
+            self.spec_metrics.update(out["totals"], self._freed())
+        return out
+
+    def _dead(self) -> dict[int, int] | None:
+        return None
+
+
+class TaggedRadixCache(SpecRadixCache):
+    """UnifiedRadixCache over the turn-tagged tree core (``tree_core``)."""
+
+    tree_core_name = "tagged"
+
+    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
+        params.tree_core_backend = TREE_CORE
+        params.sgl_spec_turns = (fmt, cfg.cache.eviction)
+        self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse
+        super().__init__(params, fmt, cfg)
+
+    def _record(self, params, result) -> None:
+        core = self.tree_core
+        node = core._node_arena.get(result.last_device_node)
+        if node is not None:
+            core.harden_below(node)  # stock splits where an insert ends
+        if self.turn_format is not None and not core.precuts:
+            self._apply_cache_actions(core.cut_path(params.key.page_aligned(core.page_size)))
+
+    def match_prefix(self, params):
+        result = super().match_prefix(params)
+        if self.keep_lines and params.req is not None:
+            hit = self.tree_core.deepest(result.last_device_node, LINES)
+            HUB.set_seeds(params.req.rid, None if hit is None else Lines(*hit))
+        return result
+
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        super().checkpoint(req, up_to=up_to, **kwargs)
+        if not self.keep_lines:
+            return
+        lines = HUB.take_lines(req.rid, up_to)
+        if lines is not None:
+            from sglang.srt.mem_cache.radix_cache import RadixKey
+
+            key = RadixKey(req.full_untruncated_fill_ids[: lines.end], req.extra_key,
+                           cache_salt=req.cache_salt)
+            if self.tree_core.attach(key, lines.end, LINES, lines.layers):
+                HUB.set_seeds(req.rid, lines)  # the next chunk of this request continues it
+
+    def _dead(self) -> dict[int, int] | None:
+        core = self.tree_core
+        if not core.turn_eviction:
+            return None
+        out = {}
+        for seg in node_segments(core):
+            node = core.node_by_id(seg.id)
+            if not node.children and core.eviction_strategy.is_dead(node):
+                out[seg.id] = core.dead_tokens(node)
+        return out
+
+
+def _walkable(core) -> bool:
+    try:
+        core.root_node  # noqa: B018  (the compiled core raises NotImplementedError)
+        return True
+    except NotImplementedError:
+        return False
+
+
+def create_cache(ctx: TreeCacheBuildContext):
+    """Factory registered with sglang's radix-cache registry."""
+    from .server_format import turn_format_for
+
+    cfg = current()
+    fmt = turn_format_for(ctx.server_args)
+    cls = TaggedRadixCache if cfg.tagged_cache else SpecRadixCache
+    logger.info("sgl_spec radix cache: %s tree core (eviction %s)", cls.tree_core_name,
+                cfg.cache.eviction)
+    return create_unified_radix_cache(ctx, cache_class=lambda p: cls(p, fmt, cfg))

@@ -1,0 +1,80 @@
+"""Per-request state that the radix cache and the attention path of one scheduler
+process share, keyed by rid (``HUB``).
+
+Both live in the scheduler process (sglang runs the model in it) but are built by
+different sglang factories, so they meet here:
+
+* releases: the cache calls ``release(rid)`` when the scheduler gives a request's KV
+  row back (finished, aborted, retracted); the attention path's listeners free what
+  they keep per request (selection-policy states);
+* LoopServe's kept lines: at the end of a sparse extend the prefill ``offer_lines``;
+  when the cache checkpoints that request into the tree it ``take_lines`` and keeps
+  them as a payload of the node ending at the extend's last token; when a later
+  request (the next turn, the next chunk) matches or continues that path, the cache
+  ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
+
+Not thread-safe: the scheduler thread makes every call. Nothing outlives a release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+
+class Lines(NamedTuple):
+    """Lines selected by one extend: ``layers`` (layer -> LineSet) over tokens [0, end)."""
+
+    end: int
+    layers: dict[int, Any]
+
+
+class RequestHub:
+    def __init__(self):
+        self._listeners: list[Callable[[str], None]] = []
+        self._offered: dict[str, Lines] = {}
+        self._seeds: dict[str, Lines] = {}
+
+    def add_release_listener(self, fn: Callable[[str], None]) -> None:
+        if fn not in self._listeners:
+            self._listeners.append(fn)
+
+    def remove_release_listener(self, fn: Callable[[str], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def release(self, rid: str) -> None:
+        """The request's KV row is given back: drop everything kept for it."""
+        self._offered.pop(rid, None)
+        self._seeds.pop(rid, None)
+        for fn in self._listeners:
+            fn(rid)
+
+    def offer_lines(self, rid: str, lines: Lines) -> None:
+        self._offered[rid] = lines
+
+    def take_lines(self, rid: str, up_to: int) -> Lines | None:
+        """The offered lines of ``rid`` if the tree now holds their tokens (end <= up_to)."""
+        lines = self._offered.get(rid)
+        if lines is None or lines.end > up_to:
+            return None
+        del self._offered[rid]
+        return lines
+
+    def set_seeds(self, rid: str, lines: Lines | None) -> None:
+        if lines is None:
+            self._seeds.pop(rid, None)
+        else:
+            self._seeds[rid] = lines
+
+    def seeds(self, rid: str, prefix_len: int) -> Lines | None:
+        """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens."""
+        lines = self._seeds.get(rid)
+        return lines if lines is not None and lines.end <= prefix_len else None
+
+    def __len__(self) -> int:
+        """Requests with offered lines or seeds (0 once all are released)."""
+        return len(self._offered.keys() | self._seeds.keys())
+
+
+HUB = RequestHub()

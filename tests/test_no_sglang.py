@@ -1,0 +1,79 @@
+"""The seam: only ``sgl_spec.integration`` imports sglang internals.
+
+Every other module of sgl_spec (kernels included) imports with sglang made
+unimportable, and the unit tests of those modules pass that way, in a fresh process
+whose every ``import sglang...`` raises (``SGLSPEC_TEST_BLOCK_SGLANG``, conftest).
+The agents are left out: they are programs in SGLang's public frontend language.
+"""
+
+from __future__ import annotations
+
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import sgl_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+# Test modules of the sglang-free code (and what of them needs a server or sglang).
+SGLANG_FREE_TESTS = [
+    "tests/test_turn_format.py", "tests/test_sparse_policies.py",
+    "tests/test_sparse_decode_kernels.py", "tests/test_vslash_kernels.py",
+    "tests/test_sparse_prefill.py", "tests/test_sparse_backend.py", "tests/test_launcher.py",
+]
+NEEDS_SGLANG = "batch_view"  # test_sparse_backend: the integration's ForwardBatch view
+
+
+def sglang_free_modules() -> list[str]:
+    import sgl_spec.kernels
+
+    names = {sgl_spec.__name__, sgl_spec.kernels.__name__}
+    for pkg in (sgl_spec, sgl_spec.kernels):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            names.add(info.name)
+    return sorted(n for n in names if not n.endswith("__main__")
+                  and not n.startswith(("sgl_spec.integration", "sgl_spec.agents")))
+
+
+def _run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SGLSPEC_TEST_BLOCK_SGLANG": "1"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_only_the_integration_package_names_sglang_internals():
+    offenders = [str(p.relative_to(ROOT)) for d in ("sgl_spec", "kernels", "agents")
+                 for p in (ROOT / d).rglob("*") if p.is_file() and p.suffix in (".py", ".cpp")
+                 and "sglang.srt" in p.read_text(errors="ignore")
+                 and "integration" not in p.parts]
+    assert offenders == []
+
+
+def test_every_other_module_imports_without_sglang():
+    modules = sglang_free_modules()
+    assert "sgl_spec.attention.decode" in modules and "sgl_spec.kernels.sparse_decode" in modules
+    code = (
+        "import importlib, sys\n"
+        "sys.path.insert(0, 'tests'); import conftest\n"  # installs the blocker
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "assert not any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules)\n"
+        "try:\n"
+        "    import sglang.srt  # noqa: F401\n"
+        "    raise SystemExit('sglang was importable')\n"
+        "except ImportError:\n"
+        "    print('ok', len(sys.argv))\n"
+    )
+    proc = _run(["-c", code], timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_their_unit_tests_pass_without_sglang():
+    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not server and not gpu",
+                 "-k", f"not {NEEDS_SGLANG} and not fresh_process", *SGLANG_FREE_TESTS],
+                timeout=1200)
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
