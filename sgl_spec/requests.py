@@ -13,13 +13,18 @@ different sglang factories, so they meet here:
   request (the next turn, the next chunk) matches or continues that path, the cache
   ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
 
-Not thread-safe: the scheduler thread makes every call. Nothing outlives a release.
+Not thread-safe: the scheduler thread makes every call. Nothing outlives a release;
+seeds are also dropped once read, and at most ``MAX_SEEDS`` are kept (a request
+matched in the queue and aborted there is never released).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+MAX_SEEDS = 4096
 
 
 class Lines(NamedTuple):
@@ -33,7 +38,7 @@ class RequestHub:
     def __init__(self):
         self._listeners: list[Callable[[str], None]] = []
         self._offered: dict[str, Lines] = {}
-        self._seeds: dict[str, Lines] = {}
+        self._seeds: OrderedDict[str, Lines] = OrderedDict()
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:
@@ -62,14 +67,15 @@ class RequestHub:
         return lines
 
     def set_seeds(self, rid: str, lines: Lines | None) -> None:
-        if lines is None:
-            self._seeds.pop(rid, None)
-        else:
+        self._seeds.pop(rid, None)
+        if lines is not None:
             self._seeds[rid] = lines
+            if len(self._seeds) > MAX_SEEDS:
+                self._seeds.popitem(last=False)
 
     def seeds(self, rid: str, prefix_len: int) -> Lines | None:
-        """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens."""
-        lines = self._seeds.get(rid)
+        """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens (read once)."""
+        lines = self._seeds.pop(rid, None)
         return lines if lines is not None and lines.end <= prefix_len else None
 
     def __len__(self) -> int:

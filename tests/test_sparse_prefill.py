@@ -185,19 +185,33 @@ def test_lines_are_offered_after_the_last_layer_and_seed_the_next_turn():
     assert hub.take_lines("a", 40) is None  # taken once
     hub.set_seeds("b", lines)  # the cache: turn 2 ("b") continues turn 1's node
     turn2 = Batch([40], [30], rids=["b"])
-    assert hub.seeds("b", 39) is None and hub.seeds("b", 40) is lines
+    assert hub.seeds("b", 39) is None  # not over a prefix holding them; and read once
+    hub.set_seeds("b", lines)
+    assert hub.seeds("b", 40) is lines and hub.seeds("b", 40) is None
+    hub.set_seeds("b", lines)
     extend(sp, turn2, layers=2)
     assert sp.stats.layers[0].seeded == 1 and sp.stats.layers[1].seeded == 1
     assert hub.take_lines("b", 70).end == 70
+    assert len(hub) == 0  # turn 2's seeds were read, its lines taken
     hub.offer_lines("c", Lines(5, {}))
-    hub.set_seeds("c", Lines(3, {}))
+    hub.set_seeds("d", Lines(3, {}))
     assert len(hub) == 2
-    hub.release("c"), hub.release("b")
+    hub.release("c"), hub.release("d")
     assert len(hub) == 0
     no_reuse = prefill(num_layers=2, hub=hub, reuse=False)
     hub.set_seeds("b", lines)
     extend(no_reuse, turn2, layers=2)
     assert no_reuse.stats.layers[0].seeded == 0 and hub.take_lines("b", 70) is None
+
+
+def test_seeds_are_bounded(monkeypatch):
+    from sgl_spec import requests as mod
+
+    monkeypatch.setattr(mod, "MAX_SEEDS", 2)
+    hub = RequestHub()
+    for rid in "abc":  # "a" was matched in the queue and never released
+        hub.set_seeds(rid, Lines(1, {}))
+    assert len(hub) == 2 and hub.seeds("a", 5) is None and hub.seeds("c", 5) is not None
 
 
 def test_release_listeners_are_called_once_each():

@@ -40,7 +40,14 @@ from sgl_spec.kernels.sparse_decode import (
     dense_subsets,
     sparse_decode,
 )
-from sgl_spec.sparse.policy import AttnShape, Kind, ReselectBatch, SelectionPolicy
+from sgl_spec.sparse.policy import (
+    EXACT_STEP,
+    AttnShape,
+    Kind,
+    ReselectBatch,
+    RowStep,
+    SelectionPolicy,
+)
 
 from .batch import BatchView
 
@@ -163,52 +170,60 @@ class Decoder:
         if self.policy is None:
             self._count(batch.size, [])
             return DecodePlan(dense)
-        policy, cfg = self.policy, self.policy.cfg
-        steps = []
-        for rid, n in zip(batch.rids, batch.seq_lens, strict=True):
-            st = policy.states.get(rid)
-            if st is not None and n <= st.seq_len:
-                self.release(rid)  # re-prefilled under the same rid: start over
-            if rid not in policy.states:
-                if policy.needs_prefill_queries:
-                    steps.append(None)  # its state is made at prefill
-                    continue
-                self.start(rid, max(1, n - 1))  # the prompt is what prefill wrote
-            self.seen(rid)
-            steps.append(policy.step(rid, n))
-        kinds = [s.kind if s is not None else Kind.EXACT for s in steps]
-        sparse = [b for b, k in enumerate(kinds) if k == Kind.SPARSE]
-        selected = [min(cfg.sink, n) + policy.width + n - max(s.recent_start, min(cfg.sink, n))
-                    for s, n in zip(steps, batch.seq_lens) if s is not None and s.kind == Kind.SPARSE]
-        self._count(batch.size - len(sparse), selected)
-        if not sparse and not any(s is not None and s.observe >= 0 for s in steps):
+        steps = [self._step(rid, n) for rid, n in zip(batch.rids, batch.seq_lens, strict=True)]
+        sparse = [b for b, s in enumerate(steps) if s.kind == Kind.SPARSE]
+        observe = [b for b, s in enumerate(steps) if s.observe >= 0]
+        reselect = [b for b in sparse if steps[b].reselect]
+        self._count(batch.size - len(sparse),
+                    [self._attended(steps[b], batch.seq_lens[b]) for b in sparse])
+        if not sparse and not observe:
             return DecodePlan(dense)  # exact mode's very call
         dev = batch.rows.device
-        slot = lambda b: policy.states[batch.rids[b]].slot  # noqa: E731
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)  # noqa: E731
-        subsets = dense
-        group = None
+        slots = [self.policy.states[rid].slot if rid in self.policy.states else -1
+                 for rid in batch.rids]
+        group = lambda rows: Group(_ints(rows, dev), _ints([slots[b] for b in rows], dev))  # noqa: E731
+        plan = DecodePlan(dense)
         if sparse:
-            width, hkv = policy.width, self.shape.num_kv_heads
-            recent = [s.recent_start if k == Kind.SPARSE else 0 for s, k in zip(steps, kinds)]
-            sel_len = t([width if k == Kind.SPARSE else 0 for k in kinds])[:, None].expand(-1, hkv)
-            sel = torch.zeros(batch.size, hkv, width, dtype=torch.int64, device=dev)
-            subsets = DecodeSubsets(batch.req_to_token, batch.rows, batch.seq_lens_t, sel,
-                                    sel_len.contiguous(), t(recent), cfg.sink)
-            group = Group(t(sparse), t([slot(b) for b in sparse]))
-        obs = [b for b, s in enumerate(steps) if s is not None and s.observe >= 0]
-        observe = None
-        if obs:
-            observe = (Group(t(obs), t([slot(b) for b in obs])), t([steps[b].observe for b in obs]))
-        rs = [b for b in sparse if steps[b].reselect]
-        reselect = None
-        if rs:
-            self.stats.reselections += len(rs)
+            plan = plan._replace(subsets=self._sparse_subsets(batch, steps),
+                                 sparse=group(sparse))
+        if observe:
+            plan = plan._replace(observe=(group(observe),
+                                          _ints([steps[b].observe for b in observe], dev)))
+        if reselect:
+            self.stats.reselections += len(reselect)
             if self.metrics is not None:
-                self.metrics.observe_reselections(len(rs))
-            rb = policy.reselect_batch([batch.rids[b] for b in rs], dev)
-            reselect = (Group(t(rs), rb.slots), rb, _key_slots(batch, rs))
-        return DecodePlan(subsets, group, observe, reselect)
+                self.metrics.observe_reselections(len(reselect))
+            rb = self.policy.reselect_batch([batch.rids[b] for b in reselect], dev)
+            plan = plan._replace(reselect=(group(reselect), rb, _key_slots(batch, reselect)))
+        return plan
+
+    def _step(self, rid: str, seq_len: int) -> RowStep:
+        """Advance one request's policy state (starting it on its first decode step)."""
+        policy = self.policy
+        st = policy.states.get(rid)
+        if st is not None and seq_len <= st.seq_len:
+            self.release(rid)  # re-prefilled under the same rid: start over
+        if rid not in policy.states:
+            if policy.needs_prefill_queries:
+                return EXACT_STEP  # its state is made at prefill
+            self.start(rid, max(1, seq_len - 1))  # the prompt is what prefill wrote
+        self.seen(rid)
+        return policy.step(rid, seq_len)
+
+    def _attended(self, step: RowStep, seq_len: int) -> int:
+        """Positions a sparse row attends: sink + selection + recent window."""
+        sink_end = min(self.policy.cfg.sink, seq_len)
+        return sink_end + self.policy.width + seq_len - max(step.recent_start, sink_end)
+
+    def _sparse_subsets(self, batch: BatchView, steps: list[RowStep]) -> DecodeSubsets:
+        """All rows' subsets; sparse rows' selections are filled per layer (``run``)."""
+        dev, width, hkv = batch.rows.device, self.policy.width, self.shape.num_kv_heads
+        is_sparse = [s.kind == Kind.SPARSE for s in steps]
+        sel_len = _ints([width if sp else 0 for sp in is_sparse], dev)[:, None].expand(-1, hkv)
+        recent = _ints([s.recent_start if sp else 0 for s, sp in zip(steps, is_sparse)], dev)
+        sel = torch.zeros(batch.size, hkv, width, dtype=torch.int64, device=dev)
+        return DecodeSubsets(batch.req_to_token, batch.rows, batch.seq_lens_t, sel,
+                             sel_len.contiguous(), recent, self.policy.cfg.sink)
 
     def _count(self, exact: int, selected: list[int]) -> None:
         self.stats.exact_steps += exact
@@ -276,10 +291,14 @@ class Decoder:
         return out
 
 
+def _ints(xs: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
 def _key_slots(batch: BatchView, rows: list[int]) -> torch.Tensor:
     """[R, N] int64 pool slots of the rows' histories, padded with their last slot."""
     dev = batch.rows.device
-    seq = torch.tensor([batch.seq_lens[b] for b in rows], dtype=torch.int64, device=dev)
-    pool_rows = torch.tensor([batch.pool_rows[b] for b in rows], dtype=torch.int64, device=dev)
+    seq = _ints([batch.seq_lens[b] for b in rows], dev)
+    pool_rows = _ints([batch.pool_rows[b] for b in rows], dev)
     pos = torch.arange(int(seq.max()), device=dev)[None, :].minimum(seq[:, None] - 1)
     return batch.req_to_token[pool_rows[:, None], pos].long()
