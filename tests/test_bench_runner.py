@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_spec.bench import configset, plan, plots, runner, sparse_counters, summary, tables
+from sgl_spec.bench import configset, plan, plots, runner, sparse_counters, summary, sweep, tables
 from sgl_spec.bench.__main__ import _parser
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.dataset import DatasetConfig, generate
@@ -417,7 +417,7 @@ def test_rounds_interleave_rows_and_name_a_row_that_fails_to_start():
 
     rows = (configset.ServerConfig("a", "sgl_spec"), configset.ServerConfig("b", "sgl_spec"))
     order = []
-    runs = configset.run_interleaved(rows, 2, lambda c, i: order.append((c.name, i)) or {"i": i})
+    runs = sweep.run_interleaved(rows, 2, lambda c, i: order.append((c.name, i)) or {"i": i})
     assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert runs == {"a": [{"i": 0}, {"i": 1}], "b": [{"i": 0}, {"i": 1}]}
 
@@ -427,7 +427,7 @@ def test_rounds_interleave_rows_and_name_a_row_that_fails_to_start():
         return {}
 
     with pytest.raises(ServerStartError, match="configuration 'b': exited with 1"):
-        configset.run_interleaved(rows, 1, fail)
+        sweep.run_interleaved(rows, 1, fail)
     assert sparse_counters.add([{"sparse": 1.0}, None, {"sparse": 2.0, "exact": 1.0}]) == {
         "sparse": 3.0, "exact": 1.0}
     assert sparse_counters.add([None, {}]) is None

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from sgl_spec.bench import plan as run_plan
-from sgl_spec.bench.server import SPEC, STOCK, ServerStartError
+from sgl_spec.bench.server import SPEC, STOCK
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
@@ -105,34 +104,6 @@ class ServerConfig:
         """The name as a file-name part: ``sgl_spec exact`` -> ``sgl_spec-exact``."""
         keep = "".join(c if c.isalnum() or c in "._-" else "-" for c in self.name)
         return "-".join(p for p in keep.split("-") if p)
-
-
-def select_rows(configs: tuple[ServerConfig, ...], slugs: list[str] | None,
-                keep: str) -> tuple[ServerConfig, ...]:
-    """A sweep's ``--rows``: the rows whose slug is listed (all if None), in their
-    order, always with the row named ``keep`` (the ratios' reference)."""
-    if not slugs:
-        return configs
-    valid = [c.slug for c in configs]
-    unknown = [s for s in slugs if s not in valid]
-    if unknown:
-        raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
-    return tuple(c for c in configs if c.name == keep or c.slug in slugs)
-
-
-def run_interleaved(rows: tuple[ServerConfig, ...], rounds: int,
-                    run_one: Callable[[ServerConfig, int], dict]) -> dict[str, list[dict]]:
-    """A sweep's ``--rounds``: ``run_one(row, round)`` for every row, all rows then all
-    rows again, ``rounds`` times (so a slow stretch of the machine hits every row);
-    ``{row name: [one result per round]}``. A server that fails to start names its row."""
-    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
-    for i in range(rounds):
-        for cfg in rows:
-            try:
-                runs[cfg.name].append(run_one(cfg, i))
-            except ServerStartError as exc:
-                raise ServerStartError(f"configuration {cfg.name!r}: {exc}") from exc
-    return runs
 
 
 @dataclass(frozen=True)
