@@ -29,7 +29,8 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from sgl_spec.bench import corpus, workloads
+from sgl_spec.bench import corpus
+from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 POSITIONS: tuple[str, ...] = ("begin", "middle", "end")
 SOURCES: tuple[str, ...] = ("this_turn", "earlier_turn")
@@ -108,10 +109,10 @@ class DatasetConfig:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         need = self.turns[1] * (max(self.tokens_per_turn) + self.max_tokens + TEMPLATE_TOKENS)
-        if need > workloads.CONTEXT_LEN:
+        if need > CONTEXT_LEN:
             raise ValueError(
                 f"the longest conversation needs ~{need} tokens, over the "
-                f"{workloads.CONTEXT_LEN}-token context window: {self}"
+                f"{CONTEXT_LEN}-token context window: {self}"
             )
 
     @classmethod
@@ -203,9 +204,9 @@ class Conversation:
         """Tokens of all user messages (answers and chat template not counted)."""
         return sum(t.n_tokens for t in self.turns)
 
-    def to_workload(self) -> workloads.Conversation:
+    def to_workload(self) -> ChatScript:
         """The user messages, for ``chat_client.play`` (answers come from the server)."""
-        return workloads.Conversation(self.name, self.user_turns)
+        return ChatScript(self.name, self.user_turns)
 
 
 # --------------------------------------------------------------------------- generation
