@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="corpus seed")
     ap.add_argument("--save-qk", metavar="FILE",
                     help="also save the captured q/k/v and the turn boundary (torch.save), "
-                    "input of `python -m sgl_spec.kernels.vslash.bench --qk FILE`")
+                    "input of `python -m sgl_spec.bench.vslash --qk FILE`")
     args = ap.parse_args(argv)
     if args.tokens < 256:
         ap.error(f"--tokens {args.tokens} is too small; valid: >= 256")

@@ -1,6 +1,6 @@
 """Micro-benchmark: one LoopServe reselection vs the n_d dense decode steps it covers.
 
-    python -m sgl_spec.sparse.bench_reselect [--seq-len 7000] [--json out.json]
+    python -m sgl_spec.bench.reselect [--seq-len 7000] [--json out.json]
 
 Per layer, a reselection scores the history with the ring of n_d queries in one
 batched pass (``score_history``) and takes the top-B per KV head; the baseline is
@@ -8,32 +8,23 @@ n_d dense decode steps of one query (SDPA, GQA). Both are timed twice: on
 contiguous K/V, and including the gather from a scattered KV pool through the
 request's slot list (what the serving path pays); the dense baseline gets K/V in
 SDPA's preferred [Hkv, N, D] layout. Reports medians and the ratio
-reselect / (n_d x dense step); below 1 means reselection is cheaper.
-Not a test; CPU by default.
+reselect / (n_d x dense step); below 1 means reselection is cheaper. Times are
+``timing.median_s`` of ``--repeats`` calls after ``WARMUP`` untimed ones. Not a test;
+CPU by default.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from .scoring import score_history, select_topk
+from sgl_spec.bench import cli
+from sgl_spec.bench.timing import median_s
+from sgl_spec.sparse.scoring import score_history, select_topk
 
-
-def _median_s(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+WARMUP = 3  # untimed calls before each median
 
 
 def run(
@@ -73,8 +64,8 @@ def run(
                 lambda: dense_step(gather_hnd(k_buf), gather_hnd(v_buf)),
             ),
         ):
-            t_sel = _median_s(sel_fn, repeats)
-            t_dense = _median_s(dense_fn, repeats)
+            t_sel = median_s(sel_fn, repeats, WARMUP)
+            t_dense = median_s(dense_fn, repeats, WARMUP)
             rows[label] = {
                 "reselect_ms": t_sel * 1e3,
                 "dense_step_ms": t_dense * 1e3,
@@ -92,7 +83,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser("python -m sgl_spec.bench.reselect", __doc__)
     ap.add_argument("--seq-len", type=int, default=7000)
     ap.add_argument("--nd", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
@@ -100,14 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: stable medians on a shared machine)",
-    )
+    cli.add_common(ap, out=None, repeats="timed calls per figure (median; default 20)",
+                   repeats_default=20, threads="torch CPU threads (default 1: stable medians "
+                   "on a shared machine; 0: leave torch's default)", threads_default=1,
+                   model_path=False)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     res = run(
         args.seq_len, args.nd, args.budget, args.num_q_heads, args.num_kv_heads,
         args.head_dim, getattr(torch, args.dtype), args.repeats,
