@@ -64,6 +64,12 @@ MIN_TURN_TOKENS = 200
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
 
 
+def _one_of(what: str, value: str, valid) -> None:
+    """ValueError naming ``what`` and the valid values unless ``value`` is one of them."""
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid: {valid}")
+
+
 @dataclass(frozen=True)
 class DatasetConfig:
     """What to generate; every conversation draws one size from ``tokens_per_turn``
@@ -143,8 +149,7 @@ class Fact:
     value: str
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown fact kind {self.kind!r}; valid: {sorted(KINDS)}")
+        _one_of("fact kind", self.kind, sorted(KINDS))
         if not self.value or " " in self.value:
             raise ValueError(f"a fact's value must be one word, got {self.value!r}")
 
@@ -178,10 +183,8 @@ class Turn:
     n_tokens: int
 
     def __post_init__(self) -> None:
-        if self.position not in POSITIONS:
-            raise ValueError(f"unknown position {self.position!r}; valid: {POSITIONS}")
-        if self.source not in SOURCES:
-            raise ValueError(f"unknown source {self.source!r}; valid: {SOURCES}")
+        _one_of("position", self.position, POSITIONS)
+        _one_of("source", self.source, SOURCES)
         expect = "this_turn" if self.fact.turn == self.index else "earlier_turn"
         if self.source != expect or self.fact.turn > self.index:
             raise ValueError(f"turn {self.index} asks about {self.fact} as {self.source}")
