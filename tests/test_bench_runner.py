@@ -541,7 +541,7 @@ def test_speed_chats_against_the_first_row(convs):
         "0 other |" in md
     assert "| **sgl_spec exact / stock** | 0.868x | 0.868x | 1x | 1.27x | 1x |  |" in md
     assert "| stock | 9016 | 9016 | 357.1 | 32.18 | 547 | 1/2 texts identical |" in md
-    assert "| sgl_spec exact | 7823 | 7823 | 357.1 | 40.86 | 547 | - |" in md
+    assert "| sgl_spec exact | 7823 | 7823 | 357.1 | 40.86 | 547 | reference |" in md
     assert ("| stock | doc_chat | doc_chat-0 | 3 | 1 | 9 | 2 | 0.100 | 0.100 | yes "
             "| yes |") in md
     assert "- sgl_spec exact: doc_chat TTFT of turns >= 2: 10.00x faster than stock" in md

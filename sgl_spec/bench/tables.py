@@ -156,17 +156,18 @@ SERVING_CELLS = (("ttft_mean_s", 1e3, 0), ("ttft_median_s", 1e3, 0),
 
 
 def _speed_rows(lead: list[str], row: str, figures: dict, entry: dict, cells,
-                baseline: str | None) -> list[list[str]]:
+                baseline: str | None, reference: str | None) -> list[list[str]]:
     """A configuration's figures, and its ratios to the baseline when it has them."""
-    out = [[*lead, row, *(num(figures[k], sc, d) for k, sc, d in cells),
-            _outputs_cell(entry.get("agreement"))]]
+    outputs = "reference" if row == reference else _outputs_cell(entry.get("agreement"))
+    out = [[*lead, row, *(num(figures[k], sc, d) for k, sc, d in cells), outputs]]
     if "ratio" in entry:
         out.append([*lead, f"**{row} / {baseline}**",
                     *(ratio(entry["ratio"].get(k)) for k, _, _ in cells), ""])
     return out
 
 
-def chats_table(configs: list[dict], baseline: str | None) -> list[str]:
+def chats_table(configs: list[dict], baseline: str | None,
+                reference: str | None = None) -> list[str]:
     """Per speed chat, a row per configuration and its ratio to the baseline."""
     header = ["chat", "configuration", "TTFT turn 1 (ms)", "TTFT turns >= 2 (ms, mean)",
               "TPOT (ms, median)", "output tok/s", "cached tok / turn >= 2",
@@ -174,16 +175,17 @@ def chats_table(configs: list[dict], baseline: str | None) -> list[str]:
     names = list(dict.fromkeys(n for c in configs for n in c.get("chats", {})))
     rows = [r for name in names for c in configs if name in c["chats"]
             for r in _speed_rows([name], c["name"], c["chats"][name]["summary"],
-                                 c["chats"][name], CHAT_CELLS, baseline)]
+                                 c["chats"][name], CHAT_CELLS, baseline, reference)]
     return table(header, rows)
 
 
-def serving_table(configs: list[dict], baseline: str | None) -> list[str]:
+def serving_table(configs: list[dict], baseline: str | None,
+                  reference: str | None = None) -> list[str]:
     header = ["configuration", "TTFT mean (ms)", "TTFT median (ms)", "TPOT median (ms)",
               "output tok/s", "cached tokens", "outputs vs reference"]
     rows = [r for c in configs if c.get("serving")
             for r in _speed_rows([], c["name"], c["serving"]["figures"], c["serving"],
-                                 SERVING_CELLS, baseline)]
+                                 SERVING_CELLS, baseline, reference)]
     return table(header, rows)
 
 
@@ -222,17 +224,17 @@ def stats_lines(stats: dict) -> list[str]:
 
 def speed_chat_lines(results: dict) -> list[str]:
     """The speed chats, the serving run and the divergent speed-chat turns, if played."""
-    configs, base = results["configs"], results.get("baseline")
+    configs, base, ref = results["configs"], results.get("baseline"), results.get("reference")
     lines = []
     if any(c.get("chats") for c in configs):
         lines += ["## Speed chats: chat over a document, growing context", "",
                   f"Every row after the first is sent `{configs[0]['name']}`'s answers as "
                   "the chat history, so all rows get the same prompts. Ratios are row / "
                   f"`{base}`, measured in the same run (below 1 is better for times, above 1 "
-                  "for throughput).", "", *chats_table(configs, base), ""]
+                  "for throughput).", "", *chats_table(configs, base, ref), ""]
     if any(c.get("serving") for c in configs):
         lines += ["## Serving (`sglang.bench_serving --dataset-name random-ids`)", "",
-                  *serving_table(configs, base), ""]
+                  *serving_table(configs, base, ref), ""]
     divs = divergence_table(configs)
     if divs:
         lines += ["## Divergent speed-chat turns", "",
