@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_spec.bench import render, timing
+from sgl_spec.bench import cli, render, timing
 
 
 def test_median_s_warms_up_then_takes_the_median(monkeypatch):
@@ -50,3 +50,17 @@ def test_render_cells_and_table():
     assert render.spread_cell(None) == "n/a"
     assert render.table(["row", "tok/s"], [["stock", "3.67"]]) == [
         "| row | tok/s |", "|---|---|", "| stock | 3.67 |"]
+
+
+def test_cli_common_flags_and_results(tmp_path):
+    ap = cli.parser("prog", "What it does.\n\nMore.")
+    cli.add_common(ap, out_required=False, out_default="results/x", quick="small",
+                   repeats=cli.REPEATS_HELP, repeats_default=3, rounds=cli.ROUNDS_HELP,
+                   threads="torch threads")
+    assert ap.description == "What it does."
+    args = ap.parse_args(["--rounds", "2"])
+    assert (args.out, args.quick, args.repeats, args.rounds, args.threads,
+            args.model_path) == ("results/x", False, 3, 2, 0, None)
+    paths = cli.write_results(str(tmp_path / "o"), {"a": 1}, "# table\n")
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["results.json", "results.md"]
+    assert (tmp_path / "o" / "results.md").read_text() == "# table\n"

@@ -45,14 +45,16 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
 
 
 def add_common(ap: argparse.ArgumentParser, *, out: str | None = "output directory",
-               out_required: bool = True, out_metavar: str = "DIR", quick: str | None = None,
+               out_required: bool = True, out_metavar: str = "DIR",
+               out_default: str | None = None, quick: str | None = None,
                repeats: str | None = None, repeats_default: int | None = None,
                rounds: str | None = None, rounds_default: int | None = None,
                threads: str | None = None, threads_default: int = 0,
                model_path: bool = True) -> None:
     """The shared flags; a flag whose help is None is not added."""
     if out is not None:
-        ap.add_argument("--out", required=out_required, metavar=out_metavar, help=out)
+        ap.add_argument("--out", required=out_required, default=out_default,
+                        metavar=out_metavar, help=out)
     if quick is not None:
         ap.add_argument("--quick", action="store_true", help=quick)
     if repeats is not None:
