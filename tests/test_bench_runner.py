@@ -1,11 +1,13 @@
-"""The evaluation runner without a server: configuration files, figures, tables, plots."""
+"""The evaluation harness without a server: configuration files, plans, figures,
+checks, tables, plots, and the server sweeps' row selection and rounds."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_spec.bench import configset, plan, plots, runner, sparse_counters, summary, tables
-from sgl_spec.bench.__main__ import _parser
+from sgl_spec.bench import (configset, plan, plots, results, runner, sparse_counters, summary,
+                            sweep, tables)
+from sgl_spec.bench.__main__ import build_parser
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.dataset import DatasetConfig, generate
 from _tokenizers import WordTokenizer
@@ -39,7 +41,11 @@ def test_builtin_baseline_has_the_two_rows():
                                        "torch_native"]
     assert exact.server_args("/m")[-2:] == ["--spec-mode", "exact"]
     assert exact.slug == "sgl_spec-exact"
-    assert sets.plan is None and sets.within_points == ()
+    assert sets.baseline.name == "stock"
+    # The stock-vs-exact comparison: the QA run, the speed chats and bench_serving.
+    assert sets.plan == plan.RunPlan("default", ("long-division", "animals"), 1024,
+                                     ("doc_chat", "growing"), "default")
+    assert sets.within_points == () and sets.followup_speedup == (("sgl_spec exact", 5),)
 
 
 def test_builtin_sparse_decode_set():
@@ -104,12 +110,20 @@ def test_plan_and_checks_tables():
     assert sets.within_points == (("stock", 2.5),)
     only_dataset = configset.loads(VALID + '[plan]\ndataset = "quick"\n').plan
     assert only_dataset == plan.RunPlan("quick", ("long-division", "animals"), 1024)
+    assert only_dataset.chats == () and only_dataset.serving is None
+    speed = configset.loads(VALID + '[plan]\nchats = ["doc_chat"]\nserving = true\n'
+                            '[checks.followup_speedup]\n"sgl_spec exact" = 4.5\n')
+    assert (speed.plan.chats, speed.plan.serving) == (("doc_chat",), "default")
+    assert speed.plan.serving_config.num_prompts == 16
+    assert speed.followup_speedup == (("sgl_spec exact", 4.5),)
+    assert configset.loads(VALID + '[plan]\nserving = "quick"\n').plan.serving == "quick"
+    assert configset.loads(VALID + '[plan]\nserving = false\n').plan.serving is None
 
 
 @pytest.mark.parametrize("extra, match", [
     ('[plan]\ndatasets = "quick"\n',
      r"x.toml: \[plan\]: unknown key\(s\) \['datasets'\]; valid keys: \['dataset', "
-     r"'longgen', 'longgen_max_tokens'\]"),
+     r"'longgen', 'longgen_max_tokens', 'chats', 'serving'\]"),
     ('[plan]\ndataset = "huge"\n', r"\[plan\]: unknown preset 'huge'; valid: \['default'"),
     ('[plan]\nlonggen = ["doc-fact"]\n',
      r"\[plan\]: unknown long-generation prompt\(s\) \['doc-fact'\]; valid: .*'doc-facts'"),
@@ -120,16 +134,28 @@ def test_plan_and_checks_tables():
     ('[plan]\nlonggen_max_tokens = "512"\n', r"longgen_max_tokens must be a positive"),
     ('plan = 3\n', r"\[plan\] must be a table"),
     ('[checks]\nwithin = 3\n',
-     r"\[checks\]: unknown key\(s\) \['within'\]; valid keys: \['within_points'\]"),
+     r"\[checks\]: unknown key\(s\) \['within'\]; valid keys: \['within_points', "
+     r"'followup_speedup'\]"),
     ('[checks.within_points]\n"loopserve" = 3\n',
      r"names 'loopserve', not a row other than the reference; valid: \['stock'\]"),
     ('[checks.within_points]\n"sgl_spec exact" = 3\n', r"not a row other than the reference"),
     ('[checks.within_points]\n"stock" = -1\n', r"'stock' must be a number of points in \[0, 100\]"),
     ('[checks.within_points]\n"stock" = "3"\n', r"must be a number of points"),
+    ('[plan]\nchats = ["doc"]\n', r"\[plan\]: unknown chat 'doc'; valid: \['doc_chat'"),
+    ('[plan]\nchats = "doc_chat"\n', r"chats must be a list of chat names"),
+    ('[plan]\nchats = ["growing", "growing"]\n', r"chats must be distinct"),
+    ('[plan]\nserving = "huge"\n',
+     r"unknown serving preset 'huge'; valid: \['default', 'quick'\]"),
+    ('[plan]\nserving = 16\n', r"serving must be true, false or a preset name"),
+    ('[checks.followup_speedup]\n"stock" = 5\n',
+     r"\[checks.followup_speedup\] names 'stock', not a row other than the first row; "
+     r"valid: \['sgl_spec exact'\]"),
+    ('[checks.followup_speedup]\n"sgl_spec exact" = 0\n', r"must be a factor > 0, got 0"),
 ], ids=["unknown-plan-key", "unknown-dataset", "unknown-prompt", "unknown-longgen-preset",
         "longgen-not-names", "zero-budget", "string-budget", "plan-not-table",
         "unknown-check-key", "check-unknown-row", "check-reference-row", "negative-points",
-        "string-points"])
+        "string-points", "unknown-chat", "chats-not-list", "duplicate-chat",
+        "unknown-serving", "serving-number", "speedup-of-baseline", "zero-speedup"])
 def test_invalid_plan_and_checks(extra, match):
     # Top-level keys must come before the [[config]] tables.
     text = extra + VALID if extra.startswith("plan =") else VALID + extra
@@ -149,7 +175,7 @@ def test_run_plan_renders_long_context_prompts():
 
 def test_cli_help_and_bad_config_file(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        _parser().parse_args(["--help"])
+        build_parser().parse_args(["--help"])
     assert exc.value.code == 0
     assert "--concurrency" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
@@ -166,6 +192,15 @@ def test_run_plan_presets_and_validation():
     quick = runner.RunPlan.preset(True)
     assert quick.dataset == "quick" and quick.longgen_max_tokens == 256
     assert [i.max_tokens for i in quick.longgen_items()] == [256]
+    # --quick plays everything, small: the headline doc chat, growing context, serving.
+    assert quick.chats == ("doc_chat-quick", "growing-quick") and quick.serving == "quick"
+    items = quick.chat_items(WordTokenizer())
+    assert {n: [(i.conversation.name, len(i.conversation.user_turns), i.max_tokens)
+                for i in its] for n, its in items.items()} == {
+        "doc_chat-quick": [("doc_chat-quick-0", 3, 32)],
+        "growing-quick": [("growing-quick-0", 3, 32)]}
+    default = runner.RunPlan.preset(False)
+    assert default.chats == () and default.serving_config is None
     with pytest.raises(ValueError, match="valid: .*animals"):
         runner.RunPlan("quick", ("nope",), 256)
     with pytest.raises(ValueError, match="concurrency"):
@@ -254,15 +289,15 @@ def _three_rows(convs, within_points=None):
     lossy_ids = lambda c, t: (1, 9) if t.position == "begin" else (1, 2, 3)  # noqa: E731
     ls_chat, ls_lg = _results(convs, lossy, lossy_ids, lg_ids=(5, 6, 0, 0))
     runs = [
-        runner.ConfigRun("stock", None, {"peak_rss_bytes": 3 * 2**30, "start_s": 20.0},
-                         ref_chat, ref_lg),
-        runner.ConfigRun("sgl_spec exact", None, {"peak_rss_bytes": 2**31, "start_s": 21.0},
-                         ref_chat, ref_lg),
-        runner.ConfigRun("loopserve B=512", None, None, ls_chat, ls_lg, SPARSE),
+        results.ConfigRun("stock", None, {"peak_rss_bytes": 3 * 2**30, "start_s": 20.0},
+                          ref_chat, ref_lg),
+        results.ConfigRun("sgl_spec exact", None, {"peak_rss_bytes": 2**31, "start_s": 21.0},
+                          ref_chat, ref_lg),
+        results.ConfigRun("loopserve B=512", None, None, ls_chat, ls_lg, SPARSE),
     ]
     meta = {"configset": "trio", "started": "now", "model": "m", "dataset_preset": "custom",
             "concurrency": 1, "duration_s": 60.0}
-    return runner.build_results(meta, DATA, convs, plan, runs, "sgl_spec exact", within_points)
+    return results.build(meta, DATA, convs, plan, runs, "sgl_spec exact", within_points)
 
 
 def test_results_figures(convs):
@@ -303,7 +338,8 @@ def test_within_points_check(convs, points, verdict):
     res = _three_rows(convs, {"loopserve B=512": points})
     key = (f"loopserve B=512: exact match within {points:g} points of sgl_spec exact at "
            "every query position")
-    assert res["checks"] == {"within_points": {"loopserve B=512": points}}
+    assert res["checks"] == {"within_points": {"loopserve B=512": points},
+                             "followup_speedup": {}}
     assert res["acceptance"][key] == (f"begin -100.0, middle +0.0, end +0.0 points (need >= "
                                       f"{-points:g} each): {verdict}")
     assert f"- {key}: begin -100.0" in tables.markdown(res)
@@ -313,8 +349,8 @@ def test_position_deltas_without_questions(convs):
     res = _three_rows(convs)
     ref, loop = res["configs"][1], res["configs"][2]
     del loop["accuracy"]["by_position"]["middle"]
-    assert runner.position_deltas(loop, ref) == {"begin": -100.0, "middle": None, "end": 0.0}
-    assert runner._position_check(loop, ref, 200).endswith("FAIL")  # a missing position
+    assert results.position_deltas(loop, ref) == {"begin": -100.0, "middle": None, "end": 0.0}
+    assert results.position_check(loop, ref, 200).endswith("FAIL")  # a missing position
 
 
 PROM = """# HELP sgl_spec:decode_steps_total Request decode steps by attention path
@@ -378,7 +414,7 @@ def test_plots_written(convs, tmp_path):
 def test_write_results(convs, tmp_path):
     import json
 
-    written = runner.write_results(_three_rows(convs), str(tmp_path))
+    written = results.write(_three_rows(convs), str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in written) == sorted(
         ["results.json", "results.md", plots.ACCURACY_PNG, plots.SPEED_PNG])
     doc = json.loads((tmp_path / "results.json").read_text())
@@ -390,10 +426,10 @@ def test_a_server_that_does_not_come_up(monkeypatch, tmp_path):
     monkeypatch.setitem(configset.LAUNCHERS, "broken",
                         configset.Launcher("sgl_spec.bench.no_such_launcher", ()))
     cfg = configset.ServerConfig("broken row", "broken", ("--x",))
-    progress = runner._Progress(1)
+    progress = runner.Progress(1)
+    work = runner.Workloads(runner.RunPlan.preset(True), [], 32, [], {})
     with pytest.raises(runner.ServerStartError) as exc:
-        runner.run_config(cfg, "/m", runner.RunPlan.preset(True), [], [], 32, str(tmp_path),
-                          progress)
+        runner.run_config(cfg, "/m", work, str(tmp_path), progress)
     progress.close()
     msg = str(exc.value)
     assert msg.startswith("configuration 'broken row': the server did not come up.")
@@ -407,7 +443,7 @@ def test_solvable_check_is_na_without_short_history_questions(convs):
     res = _three_rows(convs)
     for c in res["configs"]:
         c["end_this_turn_short"] = {"exact_match": None, "n": 0, "max_history_tokens": 2048}
-    verdict = runner.acceptance(res)[
+    verdict = results.acceptance(res)[
         "sgl_spec exact: end-position this-turn EM, history < 2048 tokens"]
     assert verdict == "n/a of 0 questions (need >= 0.5): n/a (no such question in this dataset)"
 
@@ -417,7 +453,7 @@ def test_rounds_interleave_rows_and_name_a_row_that_fails_to_start():
 
     rows = (configset.ServerConfig("a", "sgl_spec"), configset.ServerConfig("b", "sgl_spec"))
     order = []
-    runs = configset.run_interleaved(rows, 2, lambda c, i: order.append((c.name, i)) or {"i": i})
+    runs = sweep.run_interleaved(rows, 2, lambda c, i: order.append((c.name, i)) or {"i": i})
     assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     assert runs == {"a": [{"i": 0}, {"i": 1}], "b": [{"i": 0}, {"i": 1}]}
 
@@ -427,7 +463,85 @@ def test_rounds_interleave_rows_and_name_a_row_that_fails_to_start():
         return {}
 
     with pytest.raises(ServerStartError, match="configuration 'b': exited with 1"):
-        configset.run_interleaved(rows, 1, fail)
+        sweep.run_interleaved(rows, 1, fail)
     assert sparse_counters.add([{"sparse": 1.0}, None, {"sparse": 2.0, "exact": 1.0}]) == {
         "sparse": 3.0, "exact": 1.0}
     assert sparse_counters.add([None, {}]) is None
+
+
+# --------------------------------------------------------------------------- speed chats
+
+
+def _speed_turns(ttfts, diverge_at=None, conv="doc_chat-0"):
+    """One speed-chat conversation; ``diverge_at``: the turn whose answer differs at
+    token 1 with a 0.1-nat margin (a near tie)."""
+    top = ((("a", -0.1), ("b", -0.2)),) * 3
+    return [TurnResult(conv, i + 1, ttft, ttft + 1.0, 3000 + 60 * i, 0 if i == 0 else 3000,
+                       11, "length", f"answer {i}", f"p{i}",
+                       (1, 9, 3) if diverge_at == i + 1 else (1, 2, 3), top)
+            for i, ttft in enumerate(ttfts)]
+
+
+def _serving(mean_ttft_ms, throughput, texts):
+    from sgl_spec.bench import serving
+
+    return serving.figures(serving.ServingResult(
+        {"mean_ttft_ms": mean_ttft_ms, "median_ttft_ms": mean_ttft_ms,
+         "mean_tpot_ms": 357.1, "median_tpot_ms": 357.1, "output_throughput": throughput},
+        547, tuple(texts), ("python", "-m", "sglang.bench_serving")))
+
+
+def _stock_vs_exact(convs, need=5.0):
+    chat, lg = _results(convs, lambda t: t.answer)
+    runs = [results.ConfigRun("stock", None, None, chat, lg,
+                              chats={"doc_chat": _speed_turns([5.0, 3.5, 3.5]),
+                                     "growing": _speed_turns([1.0, 6.0], conv="growing-0")},
+                              serving=_serving(9016, 32.18, ["x", "y"])),
+            results.ConfigRun("sgl_spec exact", None, None, chat, lg,
+                              chats={"doc_chat": _speed_turns([5.0, 0.35, 0.35], 3),
+                                     "growing": _speed_turns([1.0, 3.0], conv="growing-0")},
+                              serving=_serving(7823, 40.86, ["x", "z"]))]
+    meta = {"configset": "baseline", "started": "now", "model": "m",
+            "dataset_preset": "custom", "concurrency": 1, "duration_s": 60.0}
+    p = plan.RunPlan("quick", ("animals",), 256, ("doc_chat", "growing"), "default")
+    return results.build(meta, DATA, convs, p, runs, "sgl_spec exact",
+                         followup_speedup={"sgl_spec exact": need})
+
+
+def test_speed_chats_against_the_first_row(convs):
+    """What stock-vs-exact compared: follow-up TTFT over a cached document against stock
+    in the same run, outputs token by token with the margin at the first divergence,
+    and the bench_serving row."""
+    res = _stock_vs_exact(convs)
+    assert res["baseline"] == "stock" and res["near_tie_nats"] == 0.25
+    stock, exact = res["configs"]  # stock: the baseline; exact: the reference
+    assert "ratio" not in stock["chats"]["doc_chat"] and "agreement" not in exact["chats"][
+        "doc_chat"]
+    doc = exact["chats"]["doc_chat"]
+    assert doc["summary"]["ttft_later_mean_s"] == pytest.approx(0.35)
+    assert doc["ratio"]["ttft_later_mean_s"] == pytest.approx(0.1)
+    assert stock["chats"]["doc_chat"]["agreement"]["counts"] == {
+        "turns": 3, "identical": 2, "near_tie_divergences": 1, "other_divergences": 0,
+        "same_prompts": 3, "acceptable": True}
+    assert exact["serving"]["ratio"]["ttft_mean_s"] == pytest.approx(7823 / 9016)
+    assert stock["serving"]["agreement"] == {"requests": 2, "identical_texts": 1}
+    assert res["acceptance"]["sgl_spec exact: doc_chat TTFT of turns >= 2"] == (
+        "10.00x faster than stock; outputs identical to stock or near-tie 3/3 (need >= 5x): "
+        "PASS")
+    assert not any("growing TTFT" in k for k in res["acceptance"])  # not a follow-up chat
+    failed = _stock_vs_exact(convs, need=20)["acceptance"]
+    assert failed["sgl_spec exact: doc_chat TTFT of turns >= 2"].endswith("(need >= 20x): FAIL")
+
+    md = tables.markdown(res)
+    assert "## Speed chats" in md and "## Serving" in md and "## Divergent speed-chat" in md
+    assert "| doc_chat | **sgl_spec exact / stock** | 1x | 0.1x | 1x | 1.72x | 1x |  |" in md
+    assert "| growing | **sgl_spec exact / stock** | 1x | 0.5x |" in md
+    assert "| doc_chat | sgl_spec exact | 5000 | 350 | 100.0 | " in md
+    assert "| doc_chat | stock | 5000 | 3500 | 100.0 | 2.20 | 3000 | 2/3 identical, 1 near-tie, " \
+        "0 other |" in md
+    assert "| **sgl_spec exact / stock** | 0.868x | 0.868x | 1x | 1.27x | 1x |  |" in md
+    assert "| stock | 9016 | 9016 | 357.1 | 32.18 | 547 | 1/2 texts identical |" in md
+    assert "| sgl_spec exact | 7823 | 7823 | 357.1 | 40.86 | 547 | reference |" in md
+    assert ("| stock | doc_chat | doc_chat-0 | 3 | 1 | 9 | 2 | 0.100 | 0.100 | yes "
+            "| yes |") in md
+    assert "- sgl_spec exact: doc_chat TTFT of turns >= 2: 10.00x faster than stock" in md

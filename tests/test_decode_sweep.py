@@ -1,10 +1,12 @@
-"""decode_sweep's pure parts: plan validation from the CLI, ratios and the report tables."""
+"""decode_sweep's pure parts: plan validation from the CLI, ratios, the per-start spreads
+and the report tables."""
 
 from __future__ import annotations
 
 import pytest
 
 from sgl_spec.bench import decode_sweep as ds
+from sgl_spec.bench import sweep
 
 
 def _point(h, b, tok_s, late):
@@ -47,7 +49,7 @@ def test_bad_plan_values_are_clean_errors(capsys):
 
 
 def test_rows_pick_a_subset_with_the_exact_reference(capsys):
-    rows = ds.configset.select_rows(ds.CONFIGS, ["loopserve-prefill-a-0.97"], ds.EXACT)
+    rows = sweep.select_rows(ds.CONFIGS, ["loopserve-prefill-a-0.97"], ds.KEEP)
     assert [c.name for c in rows] == [ds.EXACT, ds.PREFILL]
     with pytest.raises(SystemExit) as exc:
         ds.main(["--out", "/tmp/x", "--rows", "prefill"])
@@ -72,7 +74,68 @@ def test_server_starts_pool_their_repeats():
     assert p["decode_steps"] == {"sparse": 0.0, "exact": 6.0} and len(p["rounds"]) == 6
     ref = ds.pool_starts([run([1.0, 1.0, 1.0]), run([2.0, 2.0, 2.0])])
     configs = [{**ref, "name": ds.EXACT}, {**pooled, "name": ds.PREFILL}]
-    res = {**_res(), "configs": configs, "ratios": ds.ratios(configs), "late_ratios": None}
-    assert "| 4096 | 1 | 2.00 / 3.00 |" in ds.markdown(res)
+    res = {**_res(), "configs": configs, "ratios": ds.ratios(configs), "late_ratios": None,
+           "start_ratios": {ds.EXACT: sweep.start_ratios(configs, ds.EXACT,
+                                                         "start_tok_s_medians")}}
+    # per start: 2.0 / 1.0 and 6.0 / 2.0 -> min / median / max
+    assert "| 4096 | 1 | 2.00 / 2.50 / 3.00 |" in ds.markdown(res)
     with pytest.raises(SystemExit):
         ds.main(["--out", "/tmp/x", "--rounds", "0"])
+
+
+def _start(name: str, rates: dict[tuple[int, int], float]) -> dict:
+    """One server start of one row: per point, three timed rounds around ``rate``."""
+    points = {}
+    for (h, b), rate in rates.items():
+        rounds = [{"requests": [{"ttft_s": 0.5}], "aggregate_tok_s": rate + d,
+                   "aggregate_late_tok_s": rate + d} for d in (-0.1, 0.0, 0.1)]
+        points[f"{h}x{b}"] = {"history": h, "batch": b, "tok_s_median": rate,
+                              "decode_steps": None, "rounds": rounds}
+    return {"name": name, "log": "l", "peak_rss_bytes": 1, "points": points}
+
+
+def test_rounds_show_the_spread_against_stock_and_the_short_history():
+    """The acceptance reads: exact >= 2.5x stock at 7k, loopserve B=1024 >= 4x stock at
+    7k and >= 0.6x its own 512-history tok/s, each with the spread over server starts."""
+    stock = [{(512, 1): 10.0, (7168, 1): 4.0}, {(512, 1): 11.0, (7168, 1): 3.0},
+             {(512, 1): 12.0, (7168, 1): 5.0}]
+    exact = [{(512, 1): 10.0, (7168, 1): 12.0}, {(512, 1): 11.0, (7168, 1): 9.0},
+             {(512, 1): 12.0, (7168, 1): 10.0}]
+    loop = [{(512, 1): 20.0, (7168, 1): 16.0}, {(512, 1): 20.0, (7168, 1): 14.0},
+            {(512, 1): 20.0, (7168, 1): 20.0}]
+    runs = {name: [_start(name, r) for r in starts]
+            for name, starts in ((ds.STOCK, stock), (ds.EXACT, exact), (ds.LOOPSERVE, loop))}
+    plan = ds.SweepPlan(histories=(512, 7168), batches=(1,), new_tokens=256, repeats=3,
+                        starts=3)
+    meta = {"started": "now", "model": "m", "duration_s": 60, "load_average_before": [0],
+            "load_average_after": [0]}
+    res = ds.results(meta, plan, runs)
+    vs_stock = res["start_ratios"][ds.STOCK]
+    assert vs_stock[ds.EXACT]["7168x1"] == (2.0, 3.0, 3.0)  # 12/4, 9/3, 10/5
+    assert vs_stock[ds.LOOPSERVE]["7168x1"] == pytest.approx((4.0, 4.0, 14 / 3))
+    assert res["history_ratios"][ds.LOOPSERVE]["7168x1"] == (0.7, 0.8, 1.0)
+    assert res["history_ratios"][ds.LOOPSERVE]["512x1"] == (1.0, 1.0, 1.0)
+    md = ds.markdown(res)
+    assert "## Per server start: tok/s / `stock`" in md
+    assert "| history | batch | sgl_spec exact | loopserve B=1024 |" in md
+    assert "| 7168 | 1 | 2.00 / 3.00 / 3.00 | 4.00 / 4.00 / 4.67 |" in md
+    assert "| 512 | 1 | 1.00 / 1.00 / 1.00 | 1.67 / 1.82 / 2.00 |" in md
+    assert "## Per server start: tok/s / the same row at the shortest history" in md
+    # stock 4/10, 3/11, 5/12; exact 12/10, 9/11, 10/12; loopserve 16/20, 14/20, 20/20
+    assert "| 7168 | 1 | 0.27 / 0.40 / 0.42 | 0.82 / 0.83 / 1.20 | 0.70 / 0.80 / 1.00 |" in md
+    # pooled medians over all 9 timed rounds of a point
+    assert res["configs"][0]["points"]["7168x1"]["tok_s_median"] == 4.0
+    assert "| 7168 | 1 | 4.00 | 10.00 | 16.00 | 4.000 | 1.600 | 2.500 |" in md
+
+
+def test_a_512_token_history_and_the_rows_parse(capsys):
+    """The acceptance command's flags are accepted (it stops only at the model path)."""
+    with pytest.raises(SystemExit) as exc:
+        ds.main(["--out", "/tmp/x", "--rows", "stock", "loopserve-B-1024", "--histories", "512",
+                 "7168", "--batches", "1", "--new-tokens", "256", "--repeats", "2",
+                 "--rounds", "3", "--model-path", "/nonexistent"])
+    assert exc.value.code == 2 and "is not a directory" in capsys.readouterr().err
+    rows = sweep.select_rows(ds.CONFIGS, ["stock", "loopserve-B-1024"], ds.KEEP)
+    assert [c.name for c in rows] == [ds.STOCK, ds.EXACT, ds.LOOPSERVE]
+    assert [c.slug for c in ds.CONFIGS] == ["stock", "sgl_spec-exact", "loopserve-B-1024",
+                                          "loopserve-prefill-a-0.97"]

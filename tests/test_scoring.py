@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sgl_spec.bench import longgen, scoring
+from sgl_spec.bench.agreement import Agreement
 from sgl_spec.bench.dataset import Fact, Turn
-from sgl_spec.bench.scoring import Agreement
 
 # --------------------------------------------------------------------------- normalisation
 
@@ -69,34 +69,6 @@ def test_exact_match(prediction, gold, expect):
         "first-line-only", "repeated-token"])
 def test_token_f1(prediction, gold, expect):
     assert scoring.token_f1(prediction, gold) == pytest.approx(expect)
-
-
-# --------------------------------------------------------------------------- greedy agreement
-
-
-@pytest.mark.parametrize("reference, candidate, expect", [
-    ([1, 2, 3, 4], [1, 2, 3, 4], Agreement(4, 1.0)),
-    ([1, 2, 3, 4], [9, 2, 3, 4], Agreement(0, 0.75)),
-    ([1, 2, 3, 4], [1, 2, 9, 9], Agreement(2, 0.5)),
-    ([1, 2, 3, 4], [1, 2], Agreement(2, 0.5)),
-    ([1, 2], [1, 2, 3, 4], Agreement(2, 0.5)),
-    ([], [], Agreement(0, 1.0)),
-    ([], [5], Agreement(0, 0.0)),
-    ([7, 8], [8, 7], Agreement(0, 0.0)),
-], ids=["identical", "diverge-at-0", "diverge-at-2", "candidate-shorter",
-        "candidate-longer", "both-empty", "reference-empty", "swapped"])
-def test_greedy_agreement(reference, candidate, expect):
-    got = scoring.greedy_agreement(reference, candidate)
-    assert got == expect
-    prefix, share = got  # unpacks as the (tokens_before_divergence, matching_share) pair
-    assert (prefix, share) == tuple(expect)
-
-
-def test_agreement_summary():
-    summary = scoring.agreement_summary([Agreement(4, 1.0), Agreement(0, 0.5), Agreement(2, 0.75)])
-    assert summary == {"n": 3, "identical": 1, "mean_prefix": 2.0, "min_prefix": 0,
-                       "mean_share": 0.75}
-    assert scoring.agreement_summary([])["mean_share"] is None
 
 
 # --------------------------------------------------------------------------- aggregation

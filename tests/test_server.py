@@ -8,15 +8,13 @@ import openai
 import pytest
 import requests
 
+# The largest top1-top2 logprob gap at which a greedy flip counts as a near tie (two
+# bf16 ulps); the benchmarks' agreement figures use the same threshold.
+from sgl_spec.bench.agreement import NEAR_TIE_NATS
+
 pytestmark = pytest.mark.server
 
 QUESTION = "What is the capital of France?"
-# Largest top1-top2 logprob gap at which a greedy flip counts as a near-tie
-# (floating-point sums in another order); anything larger is a real difference.
-# SGLang's lm_head returns bf16 logits, so margins come in bf16 steps: one ulp is
-# 0.0625 nats for logits in [8, 16) and 0.125 in [16, 32). A flip one or two ulps
-# apart is rounding (CI once saw a batched flip at exactly 0.125).
-NEAR_TIE_NATS = 0.25
 
 
 def chatml(user: str, system: str | None = None) -> str:

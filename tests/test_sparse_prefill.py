@@ -282,36 +282,7 @@ def test_prefill_metrics_count_paths_density_and_seeds():
     assert value("sgl_spec:sparse_prefill_seeded_extends_total") == 0
 
 
-# --- bench: the TTFT sweep's pure functions and the harness rows ---------------------
-
-
-def test_prefill_sweep_ratios_markdown_and_metrics_parsing():
-    from sgl_spec.bench import prefill_sweep as sweep
-
-    text = ('# HELP x\nsgl_spec:sparse_prefill_extends_total{path="sparse"} 3.0\n'
-            'sgl_spec:sparse_prefill_extends_total{path="exact"} 2.0\n'
-            'sgl_spec:decode_steps_total{path="sparse"} 9.0\n')
-    assert sweep.parse_extends(text) == {"sparse": 3.0, "exact": 2.0}
-    pts = lambda a, b, sp: {"1024": {"ttft_median_s": a, "extends": {"sparse": 0}},  # noqa: E731
-                            "4096": {"ttft_median_s": b, "extends": {"sparse": sp}}}
-    configs = [{"name": sweep.REFERENCE, "points": pts(1.0, 4.0, 0)},
-               {"name": "loopserve-prefill a=0.955", "points": pts(1.0, 2.0, 3)}]
-    r = sweep.ratios(configs)
-    assert r == {"loopserve-prefill a=0.955": {"1024": 1.0, "4096": 0.5}}
-    md = sweep.markdown({"configs": configs, "ratios": r,
-                         "plan": {"lengths": [1024, 4096]}})
-    assert "| loopserve-prefill a=0.955 | 1.000 | 2.000* |" in md
-    assert "| loopserve-prefill a=0.955 | 1.00 | 0.50 |" in md
-    assert "a fresh prompt" in md
-    md = sweep.markdown({"configs": configs, "ratios": r,
-                         "plan": {"lengths": [1024, 4096], "history": 2048}})
-    assert "a new turn over 2048 cached tokens" in md
-    assert sweep.SweepPlan.preset(quick=True).lengths == (1024, 4096)
-    assert sweep.SweepPlan.preset(False, history=512).history == 512
-    with pytest.raises(ValueError, match="repeats"):
-        sweep.SweepPlan(repeats=0)
-    with pytest.raises(ValueError, match="history"):
-        sweep.SweepPlan(history=-1)
+# --- the harness rows of sparse prefill (bench configs) ---
 
 
 def test_sparse_prefill_config_set_rows():
@@ -337,31 +308,3 @@ def test_sparse_prefill_config_set_rows():
     assert all(c.flags == full[c.name].flags and c.reference == full[c.name].reference
                for c in check.configs)
     assert check.plan == cs.plan
-
-
-def test_prefill_sweep_rows_and_rounds():
-    from sgl_spec.bench import prefill_sweep as sweep
-
-    rows = sweep.select_rows(["loopserve-prefill-a-0.98"])
-    assert [c.name for c in rows] == [sweep.REFERENCE, "loopserve-prefill a=0.98"]
-    assert sweep.select_rows(None) == sweep.CONFIGS
-    with pytest.raises(ValueError, match="valid choices: .*loopserve-prefill-a-0.97"):
-        sweep.select_rows(["a=0.98"])
-    with pytest.raises(ValueError, match="--rounds must be >= 1"):
-        sweep.SweepPlan(rounds=0)
-
-    def run(ttfts, sparse):
-        reqs = [{"ttft_s": t, "cached_tokens": 1024} for t in ttfts]
-        return {"name": "x", "peak_rss_bytes": 5, "log": "l", "points": {"1024": {
-            "tokens": 1024, "ttft_median_s": sorted(ttfts)[1], "cached_tokens_max": 1024,
-            "extends": {"sparse": sparse}, "requests": reqs}}}
-
-    pooled = sweep.pool_rounds([run([1.0, 2.0, 3.0], 1), run([4.0, 5.0, 6.0], 2)])
-    p = pooled["points"]["1024"]
-    assert p["ttft_median_s"] == 3.5 and p["round_medians_s"] == [2.0, 5.0]
-    assert p["extends"] == {"sparse": 3.0} and len(p["requests"]) == 6
-    ref = sweep.pool_rounds([run([1.0, 1.0, 1.0], 0), run([2.0, 2.0, 2.0], 0)])
-    configs = [{**ref, "name": sweep.REFERENCE}, {**pooled, "name": "loopserve-prefill a=0.98"}]
-    md = sweep.markdown({"configs": configs, "ratios": sweep.ratios(configs),
-                         "plan": {"lengths": [1024]}})
-    assert "| loopserve-prefill a=0.98 | 2.00 / 2.50 |" in md

@@ -471,32 +471,6 @@ def test_dense_attention_torch_is_causal_attention(shape, dtype):
     assert rel_err(out, ref) <= TOL[dt]
 
 
-def test_crossover_bench_times_every_path_on_the_same_extend():
-    """The bench behind the README's crossover table runs on a tiny layer: every path
-    is timed, the baseline (exact mode's masked call) and the fused split agree, and
-    the serving path's figure is reported."""
-    from sgl_spec.kernels.vslash.bench import break_even, crossover, dense_sdpa
-    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
-
-    g = torch.Generator().manual_seed(3)
-    hist, n = 48, 80
-    lay = {"q": torch.randn(hist + n, 6, 16, generator=g),
-           "k": torch.randn(hist + n, 2, 16, generator=g),
-           "v": torch.randn(hist + n, 2, 16, generator=g), "layer": 0}
-    q, k, v = lay["q"][hist:], lay["k"], lay["v"]
-    torch.testing.assert_close(dense_sdpa(q, k, v, hist), dense_attention_torch(q, k, v, hist),
-                               rtol=1e-4, atol=1e-5)
-    (row,) = crossover([lay], [n], hist, alpha=0.9, repeats=1)
-    for key in ("dense_s", "split_s", "select_s", "vslash_s", "serving_s", "steady_s"):
-        assert row[key] > 0 and row["per_layer"][0][key] == row[key]
-    assert 0 < row["density"] <= 1 and row["n"] == n and row["history"] == hist
-    layer = row["per_layer"][0]
-    assert layer["fallback_s"] == layer["split_s"]  # over a prefix: the fused split
-    (b,) = break_even(row["per_layer"])
-    assert b["lo"] <= layer["density"] < b["hi"] and b["layers"] == 1
-    assert b["vslash"] == pytest.approx(layer["vslash_s"] / layer["split_s"])
-
-
 def test_sampled_attention_in_bf16_is_the_fp32_one_up_to_rounding():
     """bf16 q/k take a 16-bit GEMM (fp32 softmax): rows still sum to 1, non-causal
     cells stay 0, and every probability is within bf16 rounding of the fp32 path."""

@@ -11,20 +11,17 @@ the default model's ChatML format (openers, end marker); contents are random ids
     python -m sgl_spec.bench.cache_overhead --out results/cache-overhead
 
 writes ``results.json`` and ``results.md``: median microseconds per request and
-the ratios against both stock cores.
+the ratios against both stock cores, with the spread of the per-round ratios (each
+round plays every cache once, interleaved, so a slow stretch of the machine hits all).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import statistics
-import time
-from pathlib import Path
 
 from tqdm import tqdm
 
+from sgl_spec.bench import cli, render, timing
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import CacheConfig, SpecConfig
 
@@ -35,10 +32,11 @@ CHATML = TurnFormat(
              ("assistant", (1, 520, 9531)), ("tool", (1, 19324))),
     end=(2,),
 )
+RUST, PYTHON = "stock (rust core)", "stock (python core)"
 # (name, kind, stock tree core, sgl_spec config)
 CONFIGS = (
-    ("stock (rust core)", "stock", None, None),
-    ("stock (python core)", "stock", "python", None),
+    (RUST, "stock", None, None),
+    (PYTHON, "stock", "python", None),
     ("sgl_spec", "spec", None, SpecConfig()),
     ("sgl_spec --spec-cache-eviction turn", "spec", None,
      SpecConfig(cache=CacheConfig(eviction="turn"))),
@@ -72,78 +70,77 @@ def play(cache, alloc, requests) -> float:
     spent = 0.0
     for prompt, answer in requests:
         full = prompt + answer
-        match_params = MatchPrefixParams(key=radix_key(prompt))
-        t0 = time.perf_counter()
-        m = cache.match_prefix(match_params)
-        spent += time.perf_counter() - t0
+        m, dt = timing.timed(lambda: cache.match_prefix(MatchPrefixParams(key=radix_key(prompt))))
+        spent += dt
         prefix = cache.path_device_indices(m.last_device_node)[: m.device_prefix_len]
         value = torch.cat([prefix.to(torch.int64), alloc.alloc(len(full) - len(prefix))])
         # As sglang's checkpoint_into_tree: the matched prefix is protected.
-        insert_params = InsertParams(key=radix_key(full), value=value,
-                                     prev_prefix_len=len(prefix))
-        t0 = time.perf_counter()
-        cache.insert(insert_params)
-        spent += time.perf_counter() - t0
+        insert = InsertParams(key=radix_key(full), value=value, prev_prefix_len=len(prefix))
+        spent += timing.timed(lambda: cache.insert(insert))[1]
     return spent
 
 
 def run(conversations: int, turns: int, repeats: int, seed: int) -> dict:
-    requests = trace(conversations, turns, seed)
-    tokens = sum(len(p) + len(a) for p, a in requests)
     from sgl_spec.integration.standalone import build_cache
 
+    requests = trace(conversations, turns, seed)
+    tokens = sum(len(p) + len(a) for p, a in requests)
     caches = {name: build_cache(kind, tokens + 1024, fmt=CHATML, cfg=cfg, tree_core=core)
               for name, kind, core, cfg in CONFIGS}
-    times: dict[str, list[float]] = {name: [] for name in caches}
-    for _ in tqdm(range(repeats), desc="cache micro-benchmark", unit="round"):
-        for name, (cache, alloc) in caches.items():  # interleaved: same conditions
-            cache.reset()
-            alloc.clear()
-            times[name].append(play(cache, alloc, requests))
-    us = {name: statistics.median(t) / len(requests) * 1e6 for name, t in times.items()}
+    bar = tqdm(total=repeats * len(caches), desc="cache micro-benchmark", unit="trace")
+
+    def one(name: str, _round: int) -> float:
+        cache, alloc = caches[name]
+        cache.reset()
+        alloc.clear()
+        bar.update()
+        return play(cache, alloc, requests) / len(requests) * 1e6
+
+    us = timing.interleaved(list(caches), repeats, one)  # name -> µs/request per round
+    bar.close()
+    base = {b: us[b] for b in (RUST, PYTHON)}
     return {
         "requests": len(requests),
         "tokens": tokens,
         "repeats": repeats,
-        "median_us_per_request": us,
-        "ratio_vs_stock_rust": {n: us[n] / us["stock (rust core)"] for n in us},
-        "ratio_vs_stock_python": {n: us[n] / us["stock (python core)"] for n in us},
+        "us_per_request": us,
+        "median_us_per_request": {n: timing.median(v) for n, v in us.items()},
+        "ratio_vs_stock_rust": {n: timing.ratio_spread(v, base[RUST]) for n, v in us.items()},
+        "ratio_vs_stock_python": {n: timing.ratio_spread(v, base[PYTHON])
+                                  for n, v in us.items()},
     }
 
 
 def table(res: dict) -> str:
-    base = res["median_us_per_request"]["stock (rust core)"]
-    lines = [
-        f"Radix cache alone: {res['requests']} requests (match + insert), "
-        f"{res['tokens']} tokens, median of {res['repeats']} interleaved rounds.",
-        "",
-        "| cache | µs / request | vs stock (rust core) | vs stock (python core) |",
-        "|---|---|---|---|",
-    ]
-    py = res["median_us_per_request"]["stock (python core)"]
+    rows = []
     for name, us in res["median_us_per_request"].items():
-        lines.append(f"| {name} | {us:.1f} | {us / base:.3f}x | {us / py:.3f}x |")
-    return "\n".join(lines) + "\n"
+        rust, py = res["ratio_vs_stock_rust"][name], res["ratio_vs_stock_python"][name]
+        rows.append([name, render.num(us, digits=1), render.spread_cell(rust, 3),
+                     render.spread_cell(py, 3)])
+    head = (f"Radix cache alone: {res['requests']} requests (match + insert), "
+            f"{res['tokens']} tokens, {res['repeats']} interleaved rounds. Ratios: min / "
+            "median / max of the per-round ratios.")
+    return "\n".join([head, "", *render.table(
+        ["cache", "µs / request (median)", "vs stock (rust core)", "vs stock (python core)"],
+        rows)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m sgl_spec.bench.cache_overhead",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/cache-overhead", help="Output directory.")
+    ap = cli.parser("python -m sgl_spec.bench.cache_overhead", __doc__)
+    cli.add_common(ap, out_required=False, out_default="results/cache-overhead",
+                   repeats="interleaved rounds (default 9)", repeats_default=9,
+                   model_path=False)
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for flag in ("conversations", "turns", "repeats"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag} must be >= 1")
     res = run(args.conversations, args.turns, args.repeats, args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=2))
-    (out / "results.md").write_text(table(res))
-    print(table(res))
+    md = table(res)
+    cli.write_results(args.out, res, md)
+    print(md)
 
 
 if __name__ == "__main__":

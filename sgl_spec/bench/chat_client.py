@@ -11,21 +11,31 @@ with ``--enable-cache-report`` for ``cached_tokens`` to be filled.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from sgl_spec.bench.workloads import Conversation
+from sgl_spec.bench.timing import Stopwatch
 
 TOP_LOGPROBS = 2
+# The default model's (SmolLM2) context window: a played conversation, its answers
+# included, must fit.
+CONTEXT_LEN = 8192
+
+
+@dataclass(frozen=True)
+class ChatScript:
+    """The user messages of one conversation; the answers come from a server."""
+
+    name: str
+    user_turns: tuple[str, ...]
 
 
 class PlayItem(NamedTuple):
     """One conversation to play and its per-turn answer budget. ``ignore_eos`` asks
     the server for exactly ``max_tokens`` tokens (fixed-length long generations)."""
 
-    conversation: Conversation
+    conversation: ChatScript
     max_tokens: int
     ignore_eos: bool = False
 
@@ -69,7 +79,7 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
     extra = {"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
     if ignore_eos:  # only then, so that other requests stay byte-identical to before
         extra["ignore_eos"] = True
-    start = time.perf_counter()
+    watch = Stopwatch()
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
         stream=True, stream_options={"include_usage": True},
@@ -84,10 +94,10 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
     input_ids: list[int] = []
     output_ids: list[int] = []
     for chunk in stream:
-        now = time.perf_counter()
+        now = watch.elapsed()
         for choice in chunk.choices:
             if choice.delta and choice.delta.content:
-                ttft = now - start if ttft is None else ttft
+                ttft = now if ttft is None else ttft
                 parts.append(choice.delta.content)
             if choice.logprobs and choice.logprobs.content:
                 top.extend(
@@ -104,13 +114,13 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
             usage = chunk.usage
     if usage is None:
         raise RuntimeError(f"{conversation} turn {turn}: the stream carried no usage chunk")
-    end = end if end is not None else time.perf_counter()
+    end = end if end is not None else watch.elapsed()
     details = usage.prompt_tokens_details
     return TurnResult(
         conversation=conversation,
         turn=turn,
-        ttft_s=ttft if ttft is not None else end - start,
-        latency_s=end - start,
+        ttft_s=ttft if ttft is not None else end,
+        latency_s=end,
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=(details.cached_tokens or 0) if details else 0,
         output_tokens=usage.completion_tokens,
@@ -122,16 +132,16 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int,
     )
 
 
-def play(client, model: str, conversation: Conversation, max_tokens: int,
+def play(client, model: str, conversation: ChatScript, max_tokens: int,
          history: list[str] | None = None,
          on_turn: Callable[[TurnResult], None] | None = None,
          ignore_eos: bool = False) -> list[TurnResult]:
     """Play ``conversation`` turn by turn; returns one ``TurnResult`` per turn.
 
     The assistant messages in the history are this server's own answers, or, when
-    ``history`` is given (one answer per turn), those answers instead: the
-    comparison fixes the history to the baseline's answers so that, after a
-    divergence, later turns still compare like with like.
+    ``history`` is given (one answer per turn), those answers instead: the speed
+    chats pin the history to the first row's answers so that, after a divergence,
+    later turns still send every row the same prompt.
     """
     if history is not None and len(history) != len(conversation.user_turns):
         raise ValueError(
@@ -150,6 +160,14 @@ def play(client, model: str, conversation: Conversation, max_tokens: int,
         answer = history[i] if history is not None else result.text
         messages.append({"role": "assistant", "content": answer})
     return results
+
+
+def warmup(client, model: str) -> None:
+    """One short greedy request, so that the first timed turn pays no lazy start-up."""
+    client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8, temperature=0.0,
+    )
 
 
 def make_client(base_url: str, timeout_s: float = 900.0):

@@ -19,21 +19,26 @@ A configuration set names the rows of one evaluation run::
     [checks.within_points]           # optional: row -> the most exact-match points it
     "loopserve B=1024" = 3           # may lose to the reference at any query position
 
-Later attention modes add rows (``loopserve B=512``) to such a file; the runner and
-the report take any number of rows. The harness owns ``--model-path``, ``--host``
-and ``--port`` and adds ``COMMON_FLAGS`` to every server.
+    [checks.followup_speedup]        # optional: row -> how many times faster than the
+    "sgl_spec exact" = 5             # first row its follow-up turns over a cached
+                                     # document must reach their first token
+
+Greedy agreement is measured against the reference row; speed ratios against the
+first row (the baseline: stock in ``baseline.toml``). Later attention modes add rows
+(``loopserve B=512``) to such a file; the runner and the report take any number of
+rows. The harness owns ``--model-path``, ``--host`` and ``--port`` and adds
+``COMMON_FLAGS`` to every server. The built-in sets are in ``configs/``.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from sgl_spec.bench import plan as run_plan
-from sgl_spec.bench.server import SPEC, STOCK, ServerStartError
+from sgl_spec.bench.server import SPEC, STOCK
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
@@ -60,7 +65,7 @@ LAUNCHERS: dict[str, Launcher] = {
 }
 
 SET_KEYS: tuple[str, ...] = ("name", "description", "config", "plan", "checks")
-CHECK_KEYS: tuple[str, ...] = ("within_points",)
+CHECK_KEYS: tuple[str, ...] = ("within_points", "followup_speedup")
 CONFIG_KEYS: tuple[str, ...] = ("name", "launcher", "flags", "reference", "description")
 
 
@@ -107,45 +112,19 @@ class ServerConfig:
         return "-".join(p for p in keep.split("-") if p)
 
 
-def select_rows(configs: tuple[ServerConfig, ...], slugs: list[str] | None,
-                keep: str) -> tuple[ServerConfig, ...]:
-    """A sweep's ``--rows``: the rows whose slug is listed (all if None), in their
-    order, always with the row named ``keep`` (the ratios' reference)."""
-    if not slugs:
-        return configs
-    valid = [c.slug for c in configs]
-    unknown = [s for s in slugs if s not in valid]
-    if unknown:
-        raise ValueError(f"unknown --rows {unknown}; valid choices: {valid}")
-    return tuple(c for c in configs if c.name == keep or c.slug in slugs)
-
-
-def run_interleaved(rows: tuple[ServerConfig, ...], rounds: int,
-                    run_one: Callable[[ServerConfig, int], dict]) -> dict[str, list[dict]]:
-    """A sweep's ``--rounds``: ``run_one(row, round)`` for every row, all rows then all
-    rows again, ``rounds`` times (so a slow stretch of the machine hits every row);
-    ``{row name: [one result per round]}``. A server that fails to start names its row."""
-    runs: dict[str, list[dict]] = {cfg.name: [] for cfg in rows}
-    for i in range(rounds):
-        for cfg in rows:
-            try:
-                runs[cfg.name].append(run_one(cfg, i))
-            except ServerStartError as exc:
-                raise ServerStartError(f"configuration {cfg.name!r}: {exc}") from exc
-    return runs
-
-
 @dataclass(frozen=True)
 class ConfigSet:
-    """The rows, and optionally the plan they all play and per-row accuracy checks:
+    """The rows, and optionally the plan they all play and per-row checks:
     ``within_points`` pairs a row with the most exact-match points (0-100) it may
-    lose to the reference at any query position."""
+    lose to the reference at any query position; ``followup_speedup`` with the
+    least factor by which its follow-up turns' TTFT must beat the first row's."""
 
     name: str
     configs: tuple[ServerConfig, ...]
     description: str = ""
     plan: run_plan.RunPlan | None = None
     within_points: tuple[tuple[str, float], ...] = ()
+    followup_speedup: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -164,16 +143,26 @@ class ConfigSet:
         if len(refs) != 1:
             raise ValueError(f"configuration set {self.name!r}: exactly one row must have "
                              f"reference = true (exact attention), found {len(refs)}: {refs}")
-        for row, points in self.within_points:
-            if row not in names or row == refs[0]:
-                raise ValueError(f"configuration set {self.name!r}: [checks.within_points] "
-                                 f"names {row!r}, not a row other than the reference; "
-                                 f"valid: {[n for n in names if n != refs[0]]}")
-            if isinstance(points, bool) or not isinstance(points, (int, float)) \
-                    or not 0 <= points <= 100:
-                raise ValueError(f"configuration set {self.name!r}: [checks.within_points] "
-                                 f"{row!r} must be a number of points in [0, 100], "
-                                 f"got {points!r}")
+        self._check_rows("within_points", self.within_points, refs[0], "the reference",
+                         "a number of points in [0, 100]", lambda x: 0 <= x <= 100)
+        self._check_rows("followup_speedup", self.followup_speedup, names[0],
+                         "the first row", "a factor > 0", lambda x: x > 0)
+
+    def _check_rows(self, table: str, pairs: tuple[tuple[str, float], ...], other: str,
+                    other_label: str, want: str, ok) -> None:
+        names = [c.name for c in self.configs]
+        where = f"configuration set {self.name!r}: [checks.{table}]"
+        for row, value in pairs:
+            if row not in names or row == other:
+                raise ValueError(f"{where} names {row!r}, not a row other than "
+                                 f"{other_label}; valid: {[n for n in names if n != other]}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+                raise ValueError(f"{where} {row!r} must be {want}, got {value!r}")
+
+    @property
+    def baseline(self) -> ServerConfig:
+        """The row speed ratios are taken against: the first."""
+        return self.configs[0]
 
     @property
     def reference(self) -> ServerConfig:
@@ -219,13 +208,16 @@ def parse(doc: dict, source: str = "<configs>") -> ConfigSet:
     if not isinstance(checks, dict):
         raise ValueError(f"{source}: [checks] must be a table; valid keys: {list(CHECK_KEYS)}")
     _check_keys(checks, CHECK_KEYS, f"{source}: [checks]")
-    within = checks.get("within_points", {})
-    if not isinstance(within, dict):
-        raise ValueError(f"{source}: [checks] within_points must be a table of row name = "
-                         f"points, got {within!r}")
+    tables = {}
+    for key in CHECK_KEYS:
+        tables[key] = checks.get(key, {})
+        if not isinstance(tables[key], dict):
+            raise ValueError(f"{source}: [checks] {key} must be a table of row name = "
+                             f"number, got {tables[key]!r}")
     try:
         return ConfigSet(doc["name"], tuple(configs), doc.get("description", ""), plan,
-                         tuple(within.items()))
+                         tuple(tables["within_points"].items()),
+                         tuple(tables["followup_speedup"].items()))
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
 

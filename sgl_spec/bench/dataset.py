@@ -29,7 +29,8 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from sgl_spec.bench import corpus, workloads
+from sgl_spec.bench import corpus
+from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 POSITIONS: tuple[str, ...] = ("begin", "middle", "end")
 SOURCES: tuple[str, ...] = ("this_turn", "earlier_turn")
@@ -61,6 +62,12 @@ TEMPLATE_TOKENS = 24
 MIN_TURN_TOKENS = 200
 
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def _one_of(what: str, value: str, valid) -> None:
+    """ValueError naming ``what`` and the valid values unless ``value`` is one of them."""
+    if value not in valid:
+        raise ValueError(f"unknown {what} {value!r}; valid: {valid}")
 
 
 @dataclass(frozen=True)
@@ -108,10 +115,10 @@ class DatasetConfig:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         need = self.turns[1] * (max(self.tokens_per_turn) + self.max_tokens + TEMPLATE_TOKENS)
-        if need > workloads.CONTEXT_LEN:
+        if need > CONTEXT_LEN:
             raise ValueError(
                 f"the longest conversation needs ~{need} tokens, over the "
-                f"{workloads.CONTEXT_LEN}-token context window: {self}"
+                f"{CONTEXT_LEN}-token context window: {self}"
             )
 
     @classmethod
@@ -142,8 +149,7 @@ class Fact:
     value: str
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown fact kind {self.kind!r}; valid: {sorted(KINDS)}")
+        _one_of("fact kind", self.kind, sorted(KINDS))
         if not self.value or " " in self.value:
             raise ValueError(f"a fact's value must be one word, got {self.value!r}")
 
@@ -177,10 +183,8 @@ class Turn:
     n_tokens: int
 
     def __post_init__(self) -> None:
-        if self.position not in POSITIONS:
-            raise ValueError(f"unknown position {self.position!r}; valid: {POSITIONS}")
-        if self.source not in SOURCES:
-            raise ValueError(f"unknown source {self.source!r}; valid: {SOURCES}")
+        _one_of("position", self.position, POSITIONS)
+        _one_of("source", self.source, SOURCES)
         expect = "this_turn" if self.fact.turn == self.index else "earlier_turn"
         if self.source != expect or self.fact.turn > self.index:
             raise ValueError(f"turn {self.index} asks about {self.fact} as {self.source}")
@@ -203,9 +207,9 @@ class Conversation:
         """Tokens of all user messages (answers and chat template not counted)."""
         return sum(t.n_tokens for t in self.turns)
 
-    def to_workload(self) -> workloads.Conversation:
+    def to_workload(self) -> ChatScript:
         """The user messages, for ``chat_client.play`` (answers come from the server)."""
-        return workloads.Conversation(self.name, self.user_turns)
+        return ChatScript(self.name, self.user_turns)
 
 
 # --------------------------------------------------------------------------- generation

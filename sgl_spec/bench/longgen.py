@@ -4,7 +4,7 @@ Reasoning-style decoding (long step-by-step explanations, long numbered lists) i
 where a decode-time KV policy acts for thousands of steps (LoopServe's progressive
 KV compression, Sec. 5). Each prompt is one user turn answered greedily; a run is
 scored against exact attention's output for the same prompt by
-``scoring.greedy_agreement``: tokens generated before the first divergence, and the
+``agreement.greedy_agreement``: tokens generated before the first divergence, and the
 share of matching positions. The prompt list is fixed, so every run asks the same.
 
 Short prompts never reach ``--spec-min-context`` (2048) within a few thousand
@@ -25,7 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sgl_spec.bench import corpus, dataset, scoring, workloads
+from sgl_spec.bench import agreement, corpus, dataset
+from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 MIN_TOKENS = 1024
 MAX_TOKENS = 4096
@@ -90,9 +91,9 @@ class LongGenPrompt:
                              f"need context_tokens > 0, got facts={self.facts}, "
                              f"context_tokens={self.context_tokens}")
         need = self.context_tokens + PROMPT_OVERHEAD_TOKENS + self.max_tokens
-        if need > workloads.CONTEXT_LEN:
+        if need > CONTEXT_LEN:
             raise ValueError(f"{self.name}: context_tokens + max_tokens needs ~{need} "
-                             f"tokens, over the {workloads.CONTEXT_LEN}-token window")
+                             f"tokens, over the {CONTEXT_LEN}-token window")
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -108,8 +109,8 @@ class LongGenPrompt:
         doc, _ = document_with_facts(tokenizer, self.context_tokens, self.facts, self.seed)
         return f"{DOC_INTRO}\n\n{doc}\n\n{self.prompt}"
 
-    def to_workload(self, tokenizer: corpus.Tokenizer | None = None) -> workloads.Conversation:
-        return workloads.Conversation(f"longgen-{self.name}", (self.render(tokenizer),))
+    def to_workload(self, tokenizer: corpus.Tokenizer | None = None) -> ChatScript:
+        return ChatScript(f"longgen-{self.name}", (self.render(tokenizer),))
 
 
 PROMPTS: tuple[LongGenPrompt, ...] = (
@@ -162,10 +163,10 @@ def prompts(preset: str = "default") -> list[LongGenPrompt]:
     return [by_name[name] for name in PRESETS[preset]]
 
 
-def score(reference_ids: Sequence[int], candidate_ids: Sequence[int]) -> scoring.Agreement:
+def score(reference_ids: Sequence[int], candidate_ids: Sequence[int]) -> agreement.Agreement:
     """Agreement of a candidate's output ids with exact attention's (the reference)."""
-    return scoring.greedy_agreement(reference_ids, candidate_ids)
+    return agreement.greedy_agreement(reference_ids, candidate_ids)
 
 
-def summarize(agreements: Sequence[scoring.Agreement]) -> dict:
-    return scoring.agreement_summary(agreements)
+def summarize(agreements: Sequence[agreement.Agreement]) -> dict:
+    return agreement.agreement_summary(agreements)

@@ -1,28 +1,33 @@
 """What each configuration of an evaluation run plays: the run plan.
 
 A plan names a dataset preset, the long-generation prompts and a cap on their
-output budgets. It comes from a preset (``--quick``, or the default), or from the
-``[plan]`` table of a configuration set (``configset``), so that a set with many
-rows can bound its run time::
+output budgets, the speed chats and whether to run the serving benchmark. It comes
+from a preset (``--quick``, or the default), or from the ``[plan]`` table of a
+configuration set (``configset``), so that a set with many rows can bound its run
+time::
 
     [plan]
     dataset = "default"            # a DatasetConfig preset
     longgen = ["doc-facts"]        # prompt names, or a longgen preset name
     longgen_max_tokens = 512       # caps every prompt's own budget
+    chats = ["doc_chat", "growing"]  # speed chats (chats.PRESETS), history pinned
+    serving = true                 # sglang.bench_serving random-ids (or a preset name)
 
-A missing key takes the default plan's value. ``--quick`` overrides a set's plan;
-``--concurrency`` applies to any plan (``choose``).
+A missing key takes the default plan's value (no speed chats, no serving run).
+``--quick`` overrides a set's plan and plays everything small; ``--concurrency``
+applies to any plan (``choose``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sgl_spec.bench import corpus, longgen
+from sgl_spec.bench import chats as chat_presets
+from sgl_spec.bench import corpus, longgen, serving as serving_presets
 from sgl_spec.bench.chat_client import PlayItem
 from sgl_spec.bench.dataset import DatasetConfig
 
-PLAN_KEYS: tuple[str, ...] = ("dataset", "longgen", "longgen_max_tokens")
+PLAN_KEYS: tuple[str, ...] = ("dataset", "longgen", "longgen_max_tokens", "chats", "serving")
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,18 @@ class RunPlan:
     dataset: str  # a DatasetConfig preset
     longgen: tuple[str, ...]  # prompt names
     longgen_max_tokens: int
+    chats: tuple[str, ...] = ()  # chats.PRESETS names
+    serving: str | None = None  # a serving.PRESETS name; None: no bench_serving run
     concurrency: int = 1
 
     def __post_init__(self) -> None:
         DatasetConfig.preset(self.dataset)  # raises on an unknown preset
+        for name in self.chats:
+            chat_presets.preset(name)
+        if len(set(self.chats)) != len(self.chats):
+            raise ValueError(f"chats must be distinct, got {list(self.chats)}")
+        if self.serving is not None:
+            serving_presets.preset(self.serving)
         names = {p.name for p in longgen.PROMPTS}
         bad = [n for n in self.longgen if n not in names]
         if bad:
@@ -51,8 +64,9 @@ class RunPlan:
     @classmethod
     def preset(cls, quick: bool, concurrency: int = 1) -> RunPlan:
         if quick:  # ~2 min per configuration on 2 cores
-            return cls("quick", ("long-division",), 256, concurrency)
-        return cls("default", ("long-division", "animals"), 1024, concurrency)
+            return cls("quick", ("long-division",), 256, ("doc_chat-quick", "growing-quick"),
+                       "quick", concurrency)
+        return cls("default", ("long-division", "animals"), 1024, concurrency=concurrency)
 
     def prompts(self) -> list[longgen.LongGenPrompt]:
         by_name = {p.name: p for p in longgen.PROMPTS}
@@ -63,6 +77,19 @@ class RunPlan:
         (ValueError naming the prompt otherwise)."""
         return [PlayItem(p.to_workload(tokenizer), min(p.max_tokens, self.longgen_max_tokens),
                          p.ignore_eos) for p in self.prompts()]
+
+    def chat_items(self, tokenizer: corpus.Tokenizer) -> dict[str, list[PlayItem]]:
+        """The speed chats' conversations, per chat name, rendered with ``tokenizer``."""
+        out = {}
+        for name in self.chats:
+            cfg = chat_presets.preset(name)
+            out[name] = [PlayItem(c, cfg.max_tokens)
+                         for c in chat_presets.conversations(tokenizer, cfg, name)]
+        return out
+
+    @property
+    def serving_config(self) -> serving_presets.ServingConfig | None:
+        return None if self.serving is None else serving_presets.preset(self.serving)
 
 
 def parse(table: object, where: str = "[plan]") -> RunPlan:
@@ -86,9 +113,20 @@ def parse(table: object, where: str = "[plan]") -> RunPlan:
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise ValueError(f"{where}: longgen must be a list of prompt names or a preset "
                          f"name, got {names!r}")
+    chats = table.get("chats", list(default.chats))
+    if not isinstance(chats, list) or not all(isinstance(n, str) for n in chats):
+        raise ValueError(f"{where}: chats must be a list of chat names "
+                         f"{sorted(chat_presets.PRESETS)}, got {chats!r}")
+    serving = table.get("serving", default.serving)
+    if isinstance(serving, bool):
+        serving = "default" if serving else None
+    elif serving is not None and not isinstance(serving, str):
+        raise ValueError(f"{where}: serving must be true, false or a preset name "
+                         f"{sorted(serving_presets.PRESETS)}, got {serving!r}")
     try:
         return RunPlan(dataset, tuple(names),
-                       table.get("longgen_max_tokens", default.longgen_max_tokens))
+                       table.get("longgen_max_tokens", default.longgen_max_tokens),
+                       tuple(chats), serving)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 

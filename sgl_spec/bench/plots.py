@@ -3,6 +3,9 @@
 * ``accuracy.png``: exact match per configuration, one bar per query position;
 * ``speed_vs_history.png``: median TTFT and TPOT against history length, one line
   per configuration.
+
+``pyplot`` and ``save`` are what every benchmark's plot uses (the sweeps draw their
+own figures with them).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ ACCURACY_PNG = "accuracy.png"
 SPEED_PNG = "speed_vs_history.png"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,8 +29,25 @@ def _pyplot():
     return plt
 
 
+def finish_axes(*axes, ylim_zero: bool = True) -> None:
+    """Grid, legend and a y axis from 0 on each of ``axes``."""
+    for ax in axes:
+        if ylim_zero:
+            ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+
+
+def save(fig, path: str) -> str:
+    """Lay out, write ``path`` (110 dpi) and close ``fig``; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
 def plot_accuracy(configs: list[dict], path: str) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     names = [c["name"] for c in configs]
     width = 0.8 / len(POSITIONS)
     fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(names) + 2), 4))
@@ -41,14 +62,11 @@ def plot_accuracy(configs: list[dict], path: str) -> str:
     ax.set_ylabel("exact match")
     ax.set_title("Accuracy by query position")
     ax.legend(fontsize="small", loc="upper center", ncol=len(POSITIONS))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_speed(configs: list[dict], path: str) -> str:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(10, 4))
     order = bucket_order()
     for c in configs:
@@ -61,13 +79,8 @@ def plot_speed(configs: list[dict], path: str) -> str:
     for ax, title in ((ax_ttft, "TTFT (ms, median)"), (ax_tpot, "TPOT (ms, median)")):
         ax.set_xlabel("history length (prompt tokens, bucket median)")
         ax.set_title(title)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    finish_axes(ax_ttft, ax_tpot)
+    return save(fig, path)
 
 
 def write_plots(results: dict, out_dir: str) -> list[str]:

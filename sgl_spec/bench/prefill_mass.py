@@ -20,16 +20,13 @@ selection time. Writes ``results.json``, ``results.md`` and ``prefill_mass.png``
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import statistics
-import time
 
 import torch
 
-from sgl_spec.bench import provenance
+from sgl_spec.bench import cli, plots, timing
 from sgl_spec.kernels.vslash import SelectConfig, density, recovered_mass, select_lines
 
 logger = logging.getLogger(__name__)
@@ -48,9 +45,7 @@ def measure_layer(layer, boundary: int, alpha: float) -> dict[str, dict]:
              "turn2+reuse": (q[boundary:], k, boundary, turn1)}
     out = {}
     for name, (qs, ks, hist, seeds) in cases.items():
-        t0 = time.perf_counter()
-        lines = select_lines(qs, ks, hist, cfg, seeds=seeds)
-        select_s = time.perf_counter() - t0
+        lines, select_s = timing.timed(lambda: select_lines(qs, ks, hist, cfg, seeds=seeds))
         n = total - hist
         out[name] = {
             "recovered_mass": float(recovered_mass(qs, ks, lines, hist).mean()),
@@ -98,9 +93,7 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> str:
-    from sgl_spec.bench.plots import _pyplot
-
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, (ax_m, ax_d) = plt.subplots(1, 2, figsize=(11, 4))
     for a, r in res["alphas"].items():
         for sc, style in zip(SCENARIOS, ("-", "--", ":")):
@@ -113,51 +106,40 @@ def plot(res: dict, path: str) -> str:
              title="Recovered attention mass")
     ax_d.set(xlabel="layer", ylabel="selected / causal cells", title="Density")
     ax_m.legend(fontsize="x-small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return plots.save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m sgl_spec.bench.prefill_mass",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    cli.setup_logging()
+    ap = cli.parser("python -m sgl_spec.bench.prefill_mass", __doc__)
+    cli.add_common(ap, threads="torch threads (0: leave)")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens (default 4096)")
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.955, 0.98])
     ap.add_argument("--seed", type=int, default=0, help="corpus seed")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
     ap.add_argument("--save-qk", metavar="FILE",
                     help="also save the captured q/k/v and the turn boundary (torch.save), "
-                    "input of `python -m sgl_spec.kernels.vslash.bench --qk FILE`")
-    ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+                    "input of `python -m sgl_spec.bench.vslash --qk FILE`")
     args = ap.parse_args(argv)
     if args.tokens < 256:
         ap.error(f"--tokens {args.tokens} is too small; valid: >= 256")
     if not all(0.0 < a <= 1.0 for a in args.alphas):
         ap.error(f"--alphas {args.alphas} invalid; valid: numbers in (0, 1]")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     from tqdm import tqdm
 
     from sgl_spec.bench.qk_capture import capture, chat_prompt, load_model
-    from sgl_spec.prepare_model import prepare
 
-    model_path = args.model_path or prepare()
+    model_path = cli.model_path(ap, args.model_path)
     model, tokenizer = load_model(model_path)
     prompt = chat_prompt(tokenizer, args.tokens, args.seed)
-    t0 = time.perf_counter()
-    layers = capture(model, prompt.ids)
+    layers, capture_s = timing.timed(lambda: capture(model, prompt.ids))
     logger.info("captured %d layers of %d tokens in %.1f s", len(layers), len(prompt.ids),
-                time.perf_counter() - t0)
-    os.makedirs(args.out, exist_ok=True)
+                capture_s)
     if args.save_qk:
         torch.save({"layers": [lay._asdict() for lay in layers],
                     "turn_boundary": prompt.turn_boundary, "model": model_path}, args.save_qk)
-    res = {"meta": {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model_path,
-                    "threads": torch.get_num_threads(), "machine": provenance.machine(),
-                    "git": provenance.git()},
+    meta, watch = cli.start_meta(model_path, threads=torch.get_num_threads())
+    res = {"meta": meta,
            "prompt": {"tokens": len(prompt.ids), "turn_boundary": prompt.turn_boundary,
                       "seed": args.seed},
            "alphas": {}}
@@ -169,12 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 per_layer.append(measure_layer(lay, prompt.turn_boundary, a))
                 bar.update(1)
             res["alphas"][str(a)] = {"layers": per_layer, "summary": summarise(per_layer)}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(markdown(res))
+    cli.finish_meta(meta, watch)
+    text = markdown(res)
+    cli.write_results(args.out, res, text)
     plot(res, os.path.join(args.out, PNG))
-    print(markdown(res).split("\n## ")[0])
+    print(text.split("\n## ")[0])
     return 0
 
 

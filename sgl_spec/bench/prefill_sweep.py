@@ -30,21 +30,15 @@ silently ran exact is visible.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
-import statistics
-import time
+import sys
 from dataclasses import asdict, dataclass
 
 import requests
 
-from sgl_spec.bench import configset, provenance, sparse_counters
+from sgl_spec.bench import cli, plots, provenance, sparse_counters, sweep, timing
 from sgl_spec.bench.configset import ServerConfig
-from sgl_spec.bench.server import ServerProcess, ServerStartError
-
-logger = logging.getLogger(__name__)
+from sgl_spec.bench.render import num, spread_cell, table
+from sgl_spec.bench.server import flush_cache
 
 REFERENCE = "sgl_spec exact"
 CONFIGS: tuple[ServerConfig, ...] = (
@@ -75,7 +69,6 @@ CONFIGS: tuple[ServerConfig, ...] = (
                   "--spec-prefill-max-density", "1e-6",
                   "--spec-prefill-skip-density", "1e-6")),
 )
-SWEEP_FLAGS: tuple[str, ...] = ("--sleep-on-idle",)  # after configset.COMMON_FLAGS
 PNG = "prefill_ttft.png"
 
 
@@ -108,24 +101,21 @@ class SweepPlan:
 
 def select_rows(slugs: list[str] | None) -> tuple[ServerConfig, ...]:
     """``CONFIGS`` whose slug is listed (all if None), the reference always kept."""
-    return configset.select_rows(CONFIGS, slugs, REFERENCE)
+    return sweep.select_rows(CONFIGS, slugs, (REFERENCE,))
 
 
 def pool_rounds(runs: list[dict]) -> dict:
     """One row's server runs (``run_config`` results, one per round) as one result:
     per point, the requests of every round and their median."""
-    first = runs[0]
-    points = {}
-    for n, p in first["points"].items():
-        per_round = [r["points"][n] for r in runs]
+    def point(per_round: list[dict]) -> dict:
         reqs = [q for pr in per_round for q in pr["requests"]]
-        points[n] = {**p, "ttft_median_s": statistics.median(q["ttft_s"] for q in reqs),
-                     "round_medians_s": [pr["ttft_median_s"] for pr in per_round],
-                     "cached_tokens_max": max(pr["cached_tokens_max"] for pr in per_round),
-                     "extends": sparse_counters.add([pr["extends"] for pr in per_round]),
-                     "requests": reqs}
-    return {**first, "peak_rss_bytes": max(r["peak_rss_bytes"] or 0 for r in runs),
-            "logs": [r["log"] for r in runs], "points": points}
+        return {**per_round[0], "ttft_median_s": timing.median(q["ttft_s"] for q in reqs),
+                "round_medians_s": [pr["ttft_median_s"] for pr in per_round],
+                "cached_tokens_max": max(pr["cached_tokens_max"] for pr in per_round),
+                "extends": sparse_counters.add([pr["extends"] for pr in per_round]),
+                "requests": reqs}
+
+    return sweep.pool(runs, point)
 
 
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
@@ -149,9 +139,7 @@ def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
 def first_token(url: str, ids: list[int]) -> dict:
     """One greedy /generate of one token; its latency is the TTFT."""
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 1}}
-    t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, timeout=600)
-    latency = time.perf_counter() - t0
+    r, latency = timing.timed(lambda: requests.post(url + "/generate", json=body, timeout=600))
     r.raise_for_status()
     meta = r.json()["meta_info"]
     return {"ttft_s": latency, "cached_tokens": meta.get("cached_tokens", 0)}
@@ -166,13 +154,9 @@ def _extends(url: str) -> dict[str, float]:
     return parse_extends(requests.get(url + "/metrics", timeout=30).text)
 
 
-def _flush(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
-
-
 def _turn(url: str, prompt: list[int], history: int) -> dict:
     """Flush, cache the first ``history`` tokens (untimed), time the whole prompt."""
-    _flush(url)
+    flush_cache(url)
     if history:
         first_token(url, prompt[:history])
     return first_token(url, prompt)
@@ -190,25 +174,22 @@ def measure(url: str, prompts: list[list[int]], history: int = 0) -> dict:
     reqs = [_turn(url, p, history) for p in prompts[1:]]
     after = _extends(url)
     extends = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
-    return {"ttft_median_s": statistics.median(r["ttft_s"] for r in reqs),
+    return {"ttft_median_s": timing.median(r["ttft_s"] for r in reqs),
             "cached_tokens_max": max(r["cached_tokens"] for r in reqs),
             "extends": extends, "load_average": provenance.load_average(), "requests": reqs}
 
 
 def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, out_dir: str,
                bar, round_index: int = 0) -> dict:
-    args = [*cfg.server_args(model), *SWEEP_FLAGS]
-    suffix = f"-round{round_index + 1}" if plan.rounds > 1 else ""
-    log = os.path.join(out_dir, f"server-{cfg.slug}{suffix}.log")
     bar.set_description(f"{cfg.name}: starting")
-    points: dict[str, dict] = {}
-    with ServerProcess(cfg.module, args, log_path=log) as server:
+    with sweep.row_server(cfg, model, out_dir, round_index, plan.rounds) as (server, record):
+        points: dict[str, dict] = {}
         for n in plan.lengths:
             bar.set_description(f"{cfg.name}: {n} tok")
             points[str(n)] = {"tokens": n, **measure(server.url, prompts[n], plan.history)}
             bar.update(1)
-    return {"name": cfg.name, "config": asdict(cfg), "module": cfg.module, "args": args,
-            "peak_rss_bytes": server.peak_rss_bytes, "log": log, "points": points}
+        record["points"] = points
+    return record
 
 
 def ratios(configs: list[dict], reference: str = REFERENCE) -> dict[str, dict[str, float]]:
@@ -222,51 +203,39 @@ def ratios(configs: list[dict], reference: str = REFERENCE) -> dict[str, dict[st
             for name, pts in by.items() if name != reference}
 
 
+def _length_table(lengths: list[str], rows: dict[str, dict], cell) -> list[str]:
+    """A line per configuration, a column per new-turn length."""
+    return table(["config", *(f"{n} tok" for n in lengths)],
+                 [[name, *(cell(r.get(n)) for n in lengths)] for name, r in rows.items()])
+
+
+def _ttft_cell(p: dict | None) -> str:
+    if p is None:
+        return "n/a"
+    mark = "*" if ((p.get("extends") or {}).get("sparse", 0)) > 0 else ""
+    return f"{num(p['ttft_median_s'], digits=3)}{mark}"
+
+
 def markdown(res: dict) -> str:
     configs = res["configs"]
     lengths = [str(n) for n in res["plan"]["lengths"]]
     hist = res["plan"].get("history", 0)
     what = f"a new turn over {hist} cached tokens" if hist else "a fresh prompt"
     lines = [f"# TTFT of {what} vs its length (median, seconds)", "",
-             "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
-             "|---" * (len(lengths) + 1) + "|"]
-    for c in configs:
-        cells = []
-        for n in lengths:
-            p = c["points"].get(n)
-            sparse = (p or {}).get("extends") or {}
-            mark = "*" if sparse.get("sparse", 0) > 0 else ""
-            cells.append("n/a" if p is None else f"{p['ttft_median_s']:.3f}{mark}")
-        lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
-    lines += ["", "`*`: sparse request-extends counted at that point.", "",
-              f"## TTFT ratio vs {REFERENCE}", "",
-              "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
-              "|---" * (len(lengths) + 1) + "|"]
-    for name, r in res["ratios"].items():
-        lines.append(f"| {name} | " + " | ".join(
-            f"{r[n]:.2f}" if n in r else "n/a" for n in lengths) + " |")
-    ref = next((c["points"] for c in configs if c["name"] == REFERENCE), None)
-    if ref and any("round_medians_s" in p for p in ref.values()):
-        lines += ["", "## Ratio per round (round medians, each vs the reference's same round)",
-                  "", "| config | " + " | ".join(f"{n} tok" for n in lengths) + " |",
-                  "|---" * (len(lengths) + 1) + "|"]
-        for c in configs:
-            if c["name"] == REFERENCE:
-                continue
-            cells = []
-            for n in lengths:
-                mine = c["points"].get(n, {}).get("round_medians_s")
-                theirs = ref.get(n, {}).get("round_medians_s")
-                cells.append("n/a" if not (mine and theirs) else " / ".join(
-                    f"{a / b:.2f}" for a, b in zip(mine, theirs)))
-            lines.append(f"| {c['name']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+             *_length_table(lengths, {c["name"]: c["points"] for c in configs}, _ttft_cell),
+             "", "`*`: sparse request-extends counted at that point.", "",
+             f"## TTFT ratio vs {REFERENCE}", "",
+             *_length_table(lengths, res["ratios"], lambda r: num(r)), ""]
+    spreads = res.get("round_ratios") or {}
+    if res["plan"].get("rounds", 1) > 1 and spreads:
+        lines += ["## Ratio per round (each round's median vs the reference's same round)",
+                  "", "min / median / max over the rounds.", "",
+                  *_length_table(lengths, spreads, spread_cell), ""]
+    return "\n".join(lines)
 
 
 def plot(res: dict, path: str) -> str:
-    from sgl_spec.bench.plots import _pyplot
-
-    plt = _pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in res["ratios"].items():
         xs = sorted(int(n) for n in r)
@@ -277,32 +246,28 @@ def plot(res: dict, path: str) -> str:
               else "prompt tokens (fresh, uncached)")
     ax.set(xlabel=xlabel, ylabel=f"TTFT / {REFERENCE}",
            title="Sparse prefill: TTFT ratio")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    plots.finish_axes(ax, ylim_zero=False)
+    return plots.save(fig, path)
+
+
+def results(meta: dict, plan: SweepPlan, runs: dict[str, list[dict]]) -> dict:
+    """results.json of a sweep: every row's rounds pooled, ratios and their spread."""
+    configs = [pool_rounds(r) for r in runs.values()]
+    return {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs),
+            "round_ratios": sweep.start_ratios(configs, REFERENCE, "round_medians_s")}
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m sgl_spec.bench.prefill_sweep",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    ap.add_argument("--quick", action="store_true", help="1k and 4k tokens, 1 repeat")
-    ap.add_argument("--repeats", type=int, metavar="R", help="override the repeats (>= 1)")
+    cli.setup_logging()
+    ap = cli.parser("python -m sgl_spec.bench.prefill_sweep", __doc__)
+    cli.add_common(ap, quick="1k and 4k tokens, 1 repeat", repeats=cli.REPEATS_HELP,
+                   rounds=cli.ROUNDS_HELP, rounds_default=1)
     ap.add_argument("--lengths", type=int, nargs="+", metavar="N",
                     help="new-turn token counts to time (default 1024 2048 4096 6144)")
     ap.add_argument("--history", type=int, default=0, metavar="H",
                     help="time a new turn after H cached conversation tokens (default 0: "
                          "a fresh prompt)")
-    ap.add_argument("--rounds", type=int, default=1, metavar="R",
-                    help="start every row's server R times, interleaved, and pool the "
-                         "requests (default 1)")
-    ap.add_argument("--rows", nargs="+", metavar="SLUG",
-                    help="time only these rows (and the reference); valid: "
-                         + ", ".join(c.slug for c in CONFIGS))
-    ap.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    sweep.add_rows(ap, CONFIGS, (REFERENCE,))
     args = ap.parse_args(argv)
     try:
         plan = SweepPlan.preset(args.quick, args.repeats, args.lengths, args.history,
@@ -310,35 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = select_rows(args.rows)
     except ValueError as exc:
         ap.error(str(exc))
-    from transformers import AutoTokenizer
-
-    model = provenance.sweep_model(ap, args.model_path, max(plan.lengths) + plan.history + 1)
-    os.makedirs(args.out, exist_ok=True)
-    from tqdm import tqdm
-
-    t0 = time.perf_counter()
-    meta = provenance.run_meta(model, quick=args.quick, sweep_flags=list(SWEEP_FLAGS))
-    prompts = build_prompts(AutoTokenizer.from_pretrained(model), plan)
-    total = plan.rounds * len(rows) * len(plan.lengths)
-    with tqdm(total=total, unit="point", dynamic_ncols=True) as bar:
-        try:
-            runs = configset.run_interleaved(
-                rows, plan.rounds,
-                lambda cfg, i: run_config(cfg, model, prompts, plan, args.out, bar, i))
-        except ServerStartError as exc:
-            print(f"error: {exc}")
-            return 1
-    configs = [pool_rounds(r) if plan.rounds > 1 else r[0] for r in runs.values()]
-    meta.update(duration_s=time.perf_counter() - t0,
-                load_average_after=provenance.load_average())
-    res = {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs)}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(markdown(res))
-    plot(res, os.path.join(args.out, PNG))
-    print(markdown(res))
-    return 0
+    return sweep.run(sys.modules[__name__], ap, args, plan, rows, plan.rounds,
+                     len(plan.lengths), max(plan.lengths) + plan.history + 1)
 
 
 if __name__ == "__main__":

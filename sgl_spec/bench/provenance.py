@@ -1,4 +1,8 @@
-"""What a benchmark figure was measured on: machine, load, versions and commit."""
+"""What a benchmark figure was measured on: machine, load, versions and commit.
+
+Every benchmark's results.json starts with ``run_meta`` (``cli.start_meta``), so a
+figure can be traced to the machine state, the installed versions and the commit.
+"""
 
 from __future__ import annotations
 
@@ -64,22 +68,6 @@ def git() -> dict:
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
     }
-
-
-def sweep_model(ap, model_path: str | None, tokens: int) -> str:
-    """The model dir of a server sweep (``--model-path`` or the prepared default); an
-    argparse error (exit 2) when it is not a directory or ``tokens`` exceed its window."""
-    from transformers import AutoConfig
-
-    from sgl_spec.prepare_model import prepare
-
-    model = model_path or prepare()
-    if not os.path.isdir(model):
-        ap.error(f"--model-path {model!r} is not a directory")
-    window = AutoConfig.from_pretrained(model).max_position_embeddings
-    if tokens > window:
-        ap.error(f"{tokens} tokens (prompt + new) exceed the model's {window}-token window")
-    return model
 
 
 def run_meta(model: str, **extra) -> dict:

@@ -1,7 +1,7 @@
 """Per-layer queries and keys of a real prompt, after RoPE, from HF transformers on CPU.
 
 The offline measurements of sparse prefill (``prefill_mass``, the crossover and
-reuse benchmarks of ``sgl_spec.kernels.vslash.bench``) need the attention inputs
+reuse benchmarks of ``sgl_spec.bench.vslash``) need the attention inputs
 the serving backend sees. A custom attention function, registered with
 transformers' ``AttentionInterface``, records ``query``/``key`` as the model's own
 attention layers hand them over (rotary embedding applied, keys not yet repeated

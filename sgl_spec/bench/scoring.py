@@ -1,13 +1,11 @@
-"""Scores for the benchmark workloads: short-answer QA and greedy agreement.
+"""Scores of the multi-turn QA dataset (``sgl_spec.bench.dataset``): exact match and F1.
 
-* QA (``sgl_spec.bench.dataset``): the answer is the first non-empty line of the
-  model's reply; it is normalised as in SQuAD (lowercase, no punctuation, no
-  articles, single spaces) and scored by exact match (the gold tokens appear as a
-  contiguous run in it) and SQuAD token F1. ``accuracy`` aggregates per question
-  position and per question source, as LoopServe's Table 4 reports (Sec. 6.2.1).
-* Long generation (``sgl_spec.bench.longgen``): a candidate's output ids against
-  the reference (exact attention) ids, by tokens before the first divergence and
-  the share of positions that match.
+The answer is the first non-empty line of the model's reply; it is normalised as in
+SQuAD (lowercase, no punctuation, no articles, single spaces) and scored by exact
+match (the gold tokens appear as a contiguous run in it) and SQuAD token F1.
+``accuracy`` aggregates per question position and per question source, as
+LoopServe's Table 4 reports (Sec. 6.2.1). How closely two servers' outputs agree
+token by token is ``sgl_spec.bench.agreement``.
 """
 
 from __future__ import annotations
@@ -15,12 +13,10 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from sgl_spec.bench.dataset import POSITIONS, SOURCES, Turn
-from sgl_spec.bench.report import first_divergence
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -67,25 +63,6 @@ def token_f1(prediction: str, gold: str) -> float:
         return 0.0
     precision, recall = common / len(pred), common / len(ref)
     return 2 * precision * recall / (precision + recall)
-
-
-class Agreement(NamedTuple):
-    """``prefix``: reference tokens reproduced before the first divergence;
-    ``share``: positions where both outputs hold the same token, over the longer length."""
-
-    prefix: int
-    share: float
-
-
-def greedy_agreement(reference_ids: Sequence[int], candidate_ids: Sequence[int]) -> Agreement:
-    """How far ``candidate_ids`` follows ``reference_ids`` (two greedy outputs for one
-    prompt). Both empty: ``(0, 1.0)``; a strict prefix diverges where it ends."""
-    pos = first_divergence(reference_ids, candidate_ids)
-    longest = max(len(reference_ids), len(candidate_ids))
-    if longest == 0:
-        return Agreement(0, 1.0)
-    same = sum(a == b for a, b in zip(reference_ids, candidate_ids))
-    return Agreement(len(reference_ids) if pos is None else pos, same / longest)
 
 
 @dataclass(frozen=True)
@@ -143,19 +120,4 @@ def accuracy(scores: Iterable[TurnScore]) -> dict:
         "by_source": by(SOURCES, lambda s: s.source),
         "by_position_source": by([f"{p}/{s}" for p in POSITIONS for s in SOURCES],
                                  lambda s: f"{s.position}/{s.source}"),
-    }
-
-
-def agreement_summary(agreements: Sequence[Agreement]) -> dict:
-    """Counts and means over ``greedy_agreement`` results (one per prompt)."""
-    n = len(agreements)
-    if n == 0:
-        return {"n": 0, "identical": 0, "mean_prefix": None, "min_prefix": None,
-                "mean_share": None}
-    return {
-        "n": n,
-        "identical": sum(a.share == 1.0 for a in agreements),
-        "mean_prefix": sum(a.prefix for a in agreements) / n,
-        "min_prefix": min(a.prefix for a in agreements),
-        "mean_share": sum(a.share for a in agreements) / n,
     }

@@ -1,8 +1,11 @@
-"""Start, wait for, measure and stop a real sglang server process.
+"""Start, wait for, measure and stop a real sglang server process; empty its cache.
 
 Shared by the test suite and the benchmarks: ``stock`` servers run
 ``python -m sglang.launch_server``, sgl_spec servers ``python -m
 sgl_spec.launch_server``, both from this environment's interpreter.
+
+    >>> with ServerProcess(SPEC, ["--model-path", model]) as server:
+    ...     flush_cache(server.url)
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ def tail(path: str, lines: int = 40) -> str:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def flush_cache(url: str, attempts: int = 20) -> None:
+    """Empty the server's radix cache, so that no measurement starts with another's
+    prefixes cached. sglang refuses while a request is still finishing (its answer
+    can reach the client first): retried every 0.5 s, then RuntimeError."""
+    for _ in range(attempts):
+        r = requests.post(url.rstrip("/") + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:200]}")
 
 
 def _die_with_parent() -> None:

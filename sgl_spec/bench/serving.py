@@ -1,8 +1,10 @@
-"""Run ``sglang.bench_serving`` (random-ids dataset) against a server and read its result.
+"""The harness' serving row: ``sglang.bench_serving --dataset-name random-ids`` on a server.
 
+Concurrent single-turn requests of random token ids (no prefix reuse), played on a
+row when its plan says ``serving = true`` (or a ``PRESETS`` name; ``plan.RunPlan``).
 bench_serving runs as a subprocess of this interpreter; it appends one JSON line per
 run to ``--output-file``. With ``--output-details`` that line also holds every
-generated text, which lets the comparison check the two servers' outputs.
+generated text, so rows' outputs can be compared (``figures``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from sgl_spec.bench.workloads import ServingConfig
-
 # Figures copied from bench_serving's result line (ms for times, tok/s for rates).
 METRICS = (
     "completed", "duration", "total_input_tokens", "total_output_tokens",
@@ -22,6 +22,32 @@ METRICS = (
     "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "mean_e2e_latency_ms", "median_e2e_latency_ms",
 )
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Arguments of one ``sglang.bench_serving`` run (random-ids dataset)."""
+
+    num_prompts: int = 16
+    input_len: int = 512  # exactly, per prompt (--random-range-ratio 1.0)
+    output_len: int = 64
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.num_prompts, self.input_len, self.output_len) <= 0:
+            raise ValueError(f"ServingConfig values must be positive: {self}")
+
+
+PRESETS: dict[str, ServingConfig] = {
+    "default": ServingConfig(),
+    "quick": ServingConfig(num_prompts=4, input_len=256, output_len=32),
+}
+
+
+def preset(name: str) -> ServingConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown serving preset {name!r}; valid: {sorted(PRESETS)}")
+    return PRESETS[name]
 
 
 @dataclass(frozen=True)
@@ -86,3 +112,21 @@ def run(cfg: ServingConfig, base_url: str, model: str, output_file: str,
         generated_texts=tuple(raw.get("generated_texts", ())),
         command=tuple(cmd),
     )
+
+
+def figures(result: ServingResult) -> dict:
+    """A row's serving figures for results.json (seconds, tok/s), with bench_serving's
+    own result line and the generated texts (to compare rows)."""
+    m = result.metrics
+    ms = lambda key: m[key] / 1e3 if key in m else None  # noqa: E731
+    return {
+        "ttft_mean_s": ms("mean_ttft_ms"),
+        "ttft_median_s": ms("median_ttft_ms"),
+        "tpot_mean_s": ms("mean_tpot_ms"),
+        "tpot_median_s": ms("median_tpot_ms"),
+        "output_tok_per_s": m.get("output_throughput"),
+        "cached_tokens_total": result.cached_tokens,
+        "bench_serving": m,
+        "command": list(result.command),
+        "generated_texts": list(result.generated_texts),
+    }

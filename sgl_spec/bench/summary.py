@@ -6,11 +6,14 @@ configuration (``config_figures``):
 
 * accuracy (exact match, F1) overall, by query position, by question source, by
   both, by conversation size (``tokens_per_turn``) and by history length;
-* speed: TTFT / TPOT / output tokens per second / cached tokens (``report.summarize_turns``)
-  on the chat dataset and on the long-generation workload, and TTFT and TPOT per
-  history-length bucket;
-* greedy agreement with the reference configuration, turn by turn
-  (``agreement_figures``).
+* speed: TTFT / TPOT / output tokens per second / cached tokens (``summarize_turns``)
+  on the chat dataset, on the long-generation workload and on each speed chat
+  (``chats``), and TTFT and TPOT per history-length bucket.
+
+Figures that compare rows are elsewhere: greedy agreement with the reference in
+``agreement``, ratios against the first row (``ratios``) and the checks in
+``results``. A ratio is ``row / baseline``: below 1 is better for times, above 1
+for throughput.
 
 History length is the prompt's token count at that turn: the chat template, every
 earlier user message and answer, and the new user message.
@@ -22,9 +25,10 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from sgl_spec.bench import report, scoring
+from sgl_spec.bench import scoring
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.dataset import Conversation
+from sgl_spec.bench.timing import median
 
 # Upper bounds (exclusive) of the history-length buckets, in prompt tokens; the
 # last bucket is open. SmolLM2's window is 8192.
@@ -49,6 +53,65 @@ def history_bucket(prompt_tokens: int, edges: Sequence[int] = HISTORY_EDGES) -> 
 def bucket_order(edges: Sequence[int] = HISTORY_EDGES) -> list[str]:
     """Every bucket label, shortest histories first."""
     return [history_bucket(e - 1, edges) for e in edges] + [history_bucket(edges[-1], edges)]
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def ratio(x: float | None, baseline: float | None) -> float | None:
+    """``x / baseline``, or None when either is missing or the baseline is 0."""
+    if x is None or baseline is None or baseline == 0:
+        return None
+    return x / baseline
+
+
+def ratios(row: dict, baseline: dict) -> dict[str, float | None]:
+    """``row[k] / baseline[k]`` for every numeric key both share."""
+    out = {}
+    for key, value in row.items():
+        other = baseline.get(key)
+        if isinstance(value, (int, float)) and isinstance(other, (int, float)):
+            out[key] = ratio(float(value), float(other))
+    return out
+
+
+@dataclass(frozen=True)
+class ChatSummary:
+    """One server on one chat workload. Times in seconds."""
+
+    turns: int
+    ttft_turn1_mean_s: float | None
+    ttft_later_mean_s: float | None  # turns >= 2
+    ttft_later_median_s: float | None
+    tpot_mean_s: float | None
+    tpot_median_s: float | None
+    output_tokens: int
+    output_tok_per_s: float | None  # all output tokens / all request time
+    prompt_tokens_later_mean: float | None
+    cached_tokens_later_mean: float | None
+    cached_tokens_total: int
+
+
+def summarize_turns(turns: Sequence[TurnResult]) -> ChatSummary:
+    first = [t for t in turns if t.turn == 1]
+    later = [t for t in turns if t.turn >= 2]
+    tpots = [t.tpot_s for t in turns if t.tpot_s is not None]
+    busy = sum(t.latency_s for t in turns)
+    out_tokens = sum(t.output_tokens for t in turns)
+    return ChatSummary(
+        turns=len(turns),
+        ttft_turn1_mean_s=_mean([t.ttft_s for t in first]),
+        ttft_later_mean_s=_mean([t.ttft_s for t in later]),
+        ttft_later_median_s=median(t.ttft_s for t in later),
+        tpot_mean_s=_mean(tpots),
+        tpot_median_s=median(tpots),
+        output_tokens=out_tokens,
+        output_tok_per_s=out_tokens / busy if busy > 0 else None,
+        prompt_tokens_later_mean=_mean([t.prompt_tokens for t in later]),
+        cached_tokens_later_mean=_mean([t.cached_tokens for t in later]),
+        cached_tokens_total=sum(t.cached_tokens for t in turns),
+    )
 
 
 @dataclass(frozen=True)
@@ -110,10 +173,6 @@ def end_this_turn_short(turns: Sequence[ChatTurn], max_history: int = SHORT_HIST
     }
 
 
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def speed_by_history(results: Iterable[TurnResult],
                      edges: Sequence[int] = HISTORY_EDGES) -> dict:
     """Per history-length bucket (in order): turns, median prompt tokens, TTFT and TPOT."""
@@ -126,35 +185,13 @@ def speed_by_history(results: Iterable[TurnResult],
         tpots = [r.tpot_s for r in group if r.tpot_s is not None]
         out[bucket] = {
             "n": len(group),
-            "prompt_tokens_median": _median([r.prompt_tokens for r in group]),
-            "ttft_median_s": _median([r.ttft_s for r in group]),
+            "prompt_tokens_median": median(r.prompt_tokens for r in group),
+            "ttft_median_s": median(r.ttft_s for r in group),
             "ttft_mean_s": statistics.fmean(r.ttft_s for r in group),
-            "tpot_median_s": _median(tpots),
+            "tpot_median_s": median(tpots),
             "cached_tokens_mean": statistics.fmean(r.cached_tokens for r in group),
         }
     return out
-
-
-def agreement_figures(reference: Sequence[TurnResult], candidate: Sequence[TurnResult],
-                      near_tie_nats: float = report.NEAR_TIE_NATS) -> dict:
-    """Greedy agreement of ``candidate`` with ``reference`` (the same prompts), per turn.
-
-    ``counts``: identical turns, divergences at a near tie (top1-top2 margin below
-    ``near_tie_nats``) and others, and how many turns were sent the same prompt
-    (each configuration plays its own answers as history, so after a divergence
-    later prompts differ). ``tokens``: tokens before the first divergence and share
-    of matching positions (``scoring.greedy_agreement``). ``turns``: per turn,
-    with ``report.compare_turns``' "stock" meaning the reference.
-    """
-    compared = report.compare_turns(reference, candidate, near_tie_nats)
-    by_key = {(t.conversation, t.turn): t for t in candidate}
-    tokens = [scoring.greedy_agreement(r.output_ids, by_key[(r.conversation, r.turn)].output_ids)
-              for r in reference]
-    return {
-        "counts": report.agreement(compared),
-        "tokens": scoring.agreement_summary(tokens),
-        "turns": compared,
-    }
 
 
 def turn_record(turn: ChatTurn) -> dict:
@@ -183,8 +220,8 @@ def config_figures(turns: Sequence[ChatTurn], longgen: Sequence[TurnResult]) -> 
         "accuracy_by_history": accuracy_by(turns, lambda t: t.history, bucket_order()),
         "end_this_turn_short": end_this_turn_short(turns),
         "speed": {
-            "chat": asdict(report.summarize_turns(chat)),
-            "longgen": asdict(report.summarize_turns(longgen)),
+            "chat": asdict(summarize_turns(chat)),
+            "longgen": asdict(summarize_turns(longgen)),
         },
         "speed_by_history": speed_by_history(chat),
         "turns": [turn_record(t) for t in turns],

@@ -2,16 +2,19 @@
 
 Pure functions; every table has one row per configuration, in the order of the
 configuration file, so later rows (``loopserve B=512``) appear without code changes.
+Speed chats and the serving run add a ratio row per configuration against the
+baseline (the first row); divergent turns list the logit margins at the first
+divergent token. Cells are formatted by ``render``.
 """
 
 from __future__ import annotations
 
 from sgl_spec.bench.dataset import POSITIONS, SOURCES
+from sgl_spec.bench.render import num, ratio, table
 from sgl_spec.bench.summary import bucket_order
 
-
-def _fmt(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x * scale:.{digits}f}"
+# Divergent turns listed per configuration and workload; the rest are in results.json.
+MAX_DIVERGENCES = 12
 
 
 def _acc(summary: dict | None) -> str:
@@ -19,11 +22,6 @@ def _acc(summary: dict | None) -> str:
     if not summary or not summary.get("n"):
         return "-"
     return f"{summary['exact_match']:.2f} ({summary['f1']:.2f}) n={summary['n']}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def accuracy_table(configs: list[dict]) -> list[str]:
@@ -34,14 +32,14 @@ def accuracy_table(configs: list[dict]) -> list[str]:
         rows.append([c["name"], _acc(a["overall"]),
                      *(_acc(a["by_position"].get(p)) for p in POSITIONS),
                      *(_acc(a["by_source"].get(s)) for s in SOURCES)])
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def position_source_table(configs: list[dict]) -> list[str]:
     keys = [f"{p}/{s}" for p in POSITIONS for s in SOURCES]
     rows = [[c["name"], *(_acc(c["accuracy"]["by_position_source"].get(k)) for k in keys)]
             for c in configs]
-    return _table(["configuration", *(k.replace("_turn", "") for k in keys)], rows)
+    return table(["configuration", *(k.replace("_turn", "") for k in keys)], rows)
 
 
 def size_table(configs: list[dict]) -> list[str]:
@@ -52,9 +50,9 @@ def size_table(configs: list[dict]) -> list[str]:
         e = c["end_this_turn_short"]
         by = c["accuracy_by_size"]
         rows.append([c["name"], *(_acc((by.get(str(s)) or {}).get("overall")) for s in sizes),
-                     f"{_fmt(e['exact_match'])} (n={e['n']})"])
+                     f"{num(e['exact_match'])} (n={e['n']})"])
     limit = configs[0]["end_this_turn_short"]["max_history_tokens"] if configs else None
-    return _table(["configuration", *(f"{s} tok/turn" for s in sizes),
+    return table(["configuration", *(f"{s} tok/turn" for s in sizes),
                    f"end, this turn, history < {limit} tok"], rows)
 
 
@@ -62,7 +60,7 @@ def history_accuracy_table(configs: list[dict]) -> list[str]:
     buckets = [b for b in bucket_order() if any(b in c["accuracy_by_history"] for c in configs)]
     rows = [[c["name"], *(_acc((c["accuracy_by_history"].get(b) or {}).get("overall"))
                           for b in buckets)] for c in configs]
-    return _table(["configuration", *buckets], rows)
+    return table(["configuration", *buckets], rows)
 
 
 def _agree_cells(a: dict | None) -> list[str]:
@@ -72,7 +70,7 @@ def _agree_cells(a: dict | None) -> list[str]:
     same = f"{n['identical']}/{n['turns']}"
     if n["identical"] != n["turns"]:
         same += f" ({n['near_tie_divergences']} near-tie)"
-    return [same, _fmt(tok["mean_prefix"], digits=1), _fmt(tok["mean_share"], digits=3)]
+    return [same, num(tok["mean_prefix"], digits=1), num(tok["mean_share"], digits=3)]
 
 
 def agreement_table(configs: list[dict], reference: str | None) -> list[str]:
@@ -87,7 +85,7 @@ def agreement_table(configs: list[dict], reference: str | None) -> list[str]:
         agree = c.get("agreement") or {}
         rows.append([c["name"], *_agree_cells(agree.get("chat")),
                      *_agree_cells(agree.get("longgen"))])
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def sparse_cell(counts: dict | None) -> str:
@@ -112,14 +110,14 @@ def speed_table(configs: list[dict]) -> list[str]:
         rss = srv.get("peak_rss_bytes")
         sparse = c.get("sparse_decode") or {}
         rows.append([
-            c["name"], _fmt(chat["ttft_turn1_mean_s"], 1e3, 0),
-            _fmt(chat["ttft_later_mean_s"], 1e3, 0), _fmt(chat["tpot_median_s"], 1e3, 1),
-            _fmt(lg["tpot_median_s"], 1e3, 1), _fmt(lg["output_tok_per_s"]),
-            _fmt(chat["cached_tokens_later_mean"], digits=0),
+            c["name"], num(chat["ttft_turn1_mean_s"], 1e3, 0),
+            num(chat["ttft_later_mean_s"], 1e3, 0), num(chat["tpot_median_s"], 1e3, 1),
+            num(lg["tpot_median_s"], 1e3, 1), num(lg["output_tok_per_s"]),
+            num(chat["cached_tokens_later_mean"], digits=0),
             sparse_cell(sparse.get("chat")), sparse_cell(sparse.get("longgen")),
-            _fmt(rss / 2**30 if rss else None), _fmt(srv.get("start_s"), digits=1),
+            num(rss / 2**30 if rss else None), num(srv.get("start_s"), digits=1),
         ])
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def history_table(configs: list[dict]) -> list[str]:
@@ -130,15 +128,120 @@ def history_table(configs: list[dict]) -> list[str]:
         for c in configs:
             s = c["speed_by_history"].get(b)
             row.append("-" if s is None else
-                       f"{_fmt(s['ttft_median_s'], 1e3, 0)} / {_fmt(s['tpot_median_s'], 1e3, 1)}"
+                       f"{num(s['ttft_median_s'], 1e3, 0)} / {num(s['tpot_median_s'], 1e3, 1)}"
                        f" (n={s['n']})")
         rows.append(row)
-    return _table(["history (prompt tokens)", *(c["name"] for c in configs)], rows)
+    return table(["history (prompt tokens)", *(c["name"] for c in configs)], rows)
+
+
+def _outputs_cell(agree: dict | None) -> str:
+    if agree is None:
+        return "-"
+    if "requests" in agree:  # bench_serving: texts only, batched so not bit-stable
+        return f"{agree['identical_texts']}/{agree['requests']} texts identical"
+    n = agree["counts"]
+    if n["identical"] == n["turns"]:
+        return f"identical ({n['turns']}/{n['turns']})"
+    return (f"{n['identical']}/{n['turns']} identical, {n['near_tie_divergences']} near-tie, "
+            f"{n['other_divergences']} other")
+
+
+# (figure, scale, decimals) of the speed-chat and serving tables; times shown in ms.
+CHAT_CELLS = (("ttft_turn1_mean_s", 1e3, 0), ("ttft_later_mean_s", 1e3, 0),
+              ("tpot_median_s", 1e3, 1), ("output_tok_per_s", 1, 2),
+              ("cached_tokens_later_mean", 1, 0))
+SERVING_CELLS = (("ttft_mean_s", 1e3, 0), ("ttft_median_s", 1e3, 0),
+                 ("tpot_median_s", 1e3, 1), ("output_tok_per_s", 1, 2),
+                 ("cached_tokens_total", 1, 0))
+
+
+def _speed_rows(lead: list[str], row: str, figures: dict, entry: dict, cells,
+                baseline: str | None, reference: str | None) -> list[list[str]]:
+    """A configuration's figures, and its ratios to the baseline when it has them."""
+    outputs = "reference" if row == reference else _outputs_cell(entry.get("agreement"))
+    out = [[*lead, row, *(num(figures[k], sc, d) for k, sc, d in cells), outputs]]
+    if "ratio" in entry:
+        out.append([*lead, f"**{row} / {baseline}**",
+                    *(ratio(entry["ratio"].get(k)) for k, _, _ in cells), ""])
+    return out
+
+
+def chats_table(configs: list[dict], baseline: str | None,
+                reference: str | None = None) -> list[str]:
+    """Per speed chat, a row per configuration and its ratio to the baseline."""
+    header = ["chat", "configuration", "TTFT turn 1 (ms)", "TTFT turns >= 2 (ms, mean)",
+              "TPOT (ms, median)", "output tok/s", "cached tok / turn >= 2",
+              "outputs vs reference"]
+    names = list(dict.fromkeys(n for c in configs for n in c.get("chats", {})))
+    rows = [r for name in names for c in configs if name in c["chats"]
+            for r in _speed_rows([name], c["name"], c["chats"][name]["summary"],
+                                 c["chats"][name], CHAT_CELLS, baseline, reference)]
+    return table(header, rows)
+
+
+def serving_table(configs: list[dict], baseline: str | None,
+                  reference: str | None = None) -> list[str]:
+    header = ["configuration", "TTFT mean (ms)", "TTFT median (ms)", "TPOT median (ms)",
+              "output tok/s", "cached tokens", "outputs vs reference"]
+    rows = [r for c in configs if c.get("serving")
+            for r in _speed_rows([], c["name"], c["serving"]["figures"], c["serving"],
+                                 SERVING_CELLS, baseline, reference)]
+    return table(header, rows)
+
+
+def divergence_table(configs: list[dict], limit: int = MAX_DIVERGENCES) -> list[str]:
+    """The first divergent token of every speed-chat turn (same prompts on every row)
+    that differs from the reference's."""
+    rows, left = [], 0
+    for c in configs:
+        for workload, entry in c.get("chats", {}).items():
+            agree = entry.get("agreement")
+            if agree is None:
+                continue
+            divs = [t for t in agree["turns"] if not t["identical"]]
+            left += max(0, len(divs) - limit)
+            for t in divs[:limit]:
+                d = t["divergence"]
+                rows.append([c["name"], workload, t["conversation"], str(t["turn"]),
+                             str(d["position"]), str(d["reference_token"]),
+                             str(d["candidate_token"]), num(d["reference_margin"], digits=3),
+                             num(d["candidate_margin"], digits=3),
+                             "yes" if d["near_tie"] else "no",
+                             "yes" if t["same_prompt"] else "no"])
+    if not rows:
+        return []
+    header = ["configuration", "workload", "conversation", "turn", "position",
+              "reference token", "token", "reference margin", "margin", "near tie",
+              "same prompt"]
+    more = ["", f"({left} more divergent turns in results.json.)"] if left else []
+    return [*table(header, rows), *more]
 
 
 def stats_lines(stats: dict) -> list[str]:
     rows = [[k, str(v)] for k, v in stats.items()]
-    return _table(["dataset", "value"], rows)
+    return table(["dataset", "value"], rows)
+
+
+def speed_chat_lines(results: dict) -> list[str]:
+    """The speed chats, the serving run and the divergent speed-chat turns, if played."""
+    configs, base, ref = results["configs"], results.get("baseline"), results.get("reference")
+    lines = []
+    if any(c.get("chats") for c in configs):
+        lines += ["## Speed chats: chat over a document, growing context", "",
+                  f"Every row after the first is sent `{configs[0]['name']}`'s answers as "
+                  "the chat history, so all rows get the same prompts. Ratios are row / "
+                  f"`{base}`, measured in the same run (below 1 is better for times, above 1 "
+                  "for throughput).", "", *chats_table(configs, base, ref), ""]
+    if any(c.get("serving") for c in configs):
+        lines += ["## Serving (`sglang.bench_serving --dataset-name random-ids`)", "",
+                  *serving_table(configs, base, ref), ""]
+    divs = divergence_table(configs)
+    if divs:
+        lines += ["## Divergent speed-chat turns", "",
+                  "Where a row's answer first differs from the reference's: the top1 - top2 "
+                  "logprob margins (nats) there; a near tie is a margin up to "
+                  f"{results.get('near_tie_nats', 'n/a')}.", "", *divs, ""]
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -168,6 +271,7 @@ def markdown(results: dict) -> str:
               "for stock and exact mode).", "",
               "### TTFT / TPOT (ms, medians) by history length", "",
               *history_table(configs), "",
+              *speed_chat_lines(results),
               "## Dataset", "", *stats_lines(results["dataset"]["stats"]), "",
               f"Long generation: {', '.join(results['longgen']['prompts'])}, up to "
               f"{results['longgen']['max_tokens']} tokens each.", ""]

@@ -70,17 +70,14 @@ class SpecRadixCache(UnifiedRadixCache):
         self.spec_metrics = CacheMetrics() if params.enable_metrics else None
 
     def insert(self, params):
+        # On the compiled core's hot path: keep this to a reference append.
         result = super().insert(params)
-        if params.value is not None and not self.disable:
-            self._record(params, result)
-            if self.spec_metrics is not None and self.spec_metrics.due():
-                self._update_metrics()
-        return result
-
-    def _record(self, params, result) -> None:
         slots = self._slots
-        if slots is not None and not params.key.is_bigram:
+        if slots is not None and params.value is not None and not params.key.is_bigram:
             slots.record(params.key.token_ids, params.value)
+        if self.spec_metrics is not None and self.spec_metrics.due():
+            self._update_metrics()
+        return result
 
     def reset(self):
         super().reset()
@@ -127,13 +124,19 @@ class TaggedRadixCache(SpecRadixCache):
         self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse
         super().__init__(params, fmt, cfg)
 
-    def _record(self, params, result) -> None:
+    def insert(self, params):
+        result = UnifiedRadixCache.insert(self, params)
+        if self.disable or params.key is None or not len(params.key):
+            return result
         core = self.tree_core
         node = core._node_arena.get(result.last_device_node)
         if node is not None:
             core.harden_below(node)  # stock splits where an insert ends
         if self.turn_format is not None and not core.precuts:
             self._apply_cache_actions(core.cut_path(params.key.page_aligned(core.page_size)))
+        if self.spec_metrics is not None and self.spec_metrics.due():
+            self._update_metrics()
+        return result
 
     def match_prefix(self, params):
         result = super().match_prefix(params)

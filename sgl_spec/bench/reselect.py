@@ -1,39 +1,30 @@
 """Micro-benchmark: one LoopServe reselection vs the n_d dense decode steps it covers.
 
-    python -m sgl_spec.sparse.bench_reselect [--seq-len 7000] [--json out.json]
+    python -m sgl_spec.bench.reselect [--seq-len 7000] [--json out.json]
 
 Per layer, a reselection scores the history with the ring of n_d queries in one
 batched pass (``score_history``) and takes the top-B per KV head; the baseline is
-n_d dense decode steps of one query (SDPA, GQA). Both are timed twice: on
-contiguous K/V, and including the gather from a scattered KV pool through the
-request's slot list (what the serving path pays); the dense baseline gets K/V in
-SDPA's preferred [Hkv, N, D] layout. Reports medians and the ratio
-reselect / (n_d x dense step); below 1 means reselection is cheaper.
-Not a test; CPU by default.
+n_d dense decode steps of one query, the serving path's (``sparse_decode`` over dense
+subsets: the C++ kernel reading the pool in place where it builds). The reselection is
+timed twice: on contiguous K/V, and including the gather from a scattered KV pool
+through the request's slot list (what the serving path pays). Reports medians and the ratio
+reselect / (n_d x dense step); below 1 means reselection is cheaper. Times are
+``timing.median_s`` of ``--repeats`` calls after ``WARMUP`` untimed ones. Not a test;
+CPU by default.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 
-from .scoring import score_history, select_topk
+from sgl_spec.bench import cli
+from sgl_spec.bench.timing import median_s
+from sgl_spec.kernels.sparse_decode import dense_subsets, sparse_decode
+from sgl_spec.sparse.scoring import score_history, select_topk
 
-
-def _median_s(fn, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+WARMUP = 3  # untimed calls before each median
 
 
 def run(
@@ -46,35 +37,29 @@ def run(
     k_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_buf = torch.randn(pool, num_kv_heads, head_dim, generator=gen).to(dtype)
     slots = torch.randperm(pool, generator=gen)[:seq_len]  # the request's slot list
-    k = k_buf[slots]  # [N, Hkv, D]: the layout score_history takes
-    kd = k_buf[slots].transpose(0, 1)[None].contiguous()  # [1, Hkv, N, D]: SDPA's best
-    vd = v_buf[slots].transpose(0, 1)[None].contiguous()
-    ring = torch.randn(nd, num_q_heads, head_dim, generator=gen).to(dtype)
-    q_pos = torch.arange(seq_len - nd, seq_len)
-    q1 = torch.randn(1, num_q_heads, 1, head_dim, generator=gen).to(dtype)
+    k = k_buf[slots][None]  # [1, N, Hkv, D]: the layout score_history takes
+    ring = torch.randn(1, nd, num_q_heads, head_dim, generator=gen).to(dtype)
+    q_pos = torch.arange(seq_len - nd, seq_len)[None]
+    lo, hi = torch.tensor([sink]), torch.tensor([seq_len - window])
+    q1 = torch.randn(1, num_q_heads, head_dim, generator=gen).to(dtype)
+    dense = dense_subsets(slots.int()[None], torch.tensor([0]), torch.tensor([seq_len]),
+                          num_kv_heads)
 
     def reselect(keys):
-        scores = score_history(ring, keys, scale, q_pos)
-        return select_topk(scores, budget, sink, seq_len - window)
+        return select_topk(score_history(ring, keys, scale, q_pos), budget, lo, hi)
 
-    def dense_step(kk, vv):  # [1, Hkv, N, D] each
-        return F.scaled_dot_product_attention(q1, kk, vv, scale=scale, enable_gqa=True)
-
-    def gather_hnd(buf):  # pool -> [1, Hkv, N, D], as a dense step would lay it out
-        return buf.index_select(0, slots).transpose(0, 1)[None].contiguous()
+    def dense_step():
+        return sparse_decode(q1, k_buf, v_buf, dense, scale=scale)
 
     rows = {}
     with torch.inference_mode():
         for label, sel_fn, dense_fn in (
-            ("K/V laid out", lambda: reselect(k), lambda: dense_step(kd, vd)),
-            (
-                "gather from pool",
-                lambda: reselect(k_buf.index_select(0, slots)),
-                lambda: dense_step(gather_hnd(k_buf), gather_hnd(v_buf)),
-            ),
+            ("K/V laid out", lambda: reselect(k), dense_step),
+            ("gather from pool", lambda: reselect(k_buf.index_select(0, slots)[None]),
+             dense_step),
         ):
-            t_sel = _median_s(sel_fn, repeats)
-            t_dense = _median_s(dense_fn, repeats)
+            t_sel = median_s(sel_fn, repeats, WARMUP)
+            t_dense = median_s(dense_fn, repeats, WARMUP)
             rows[label] = {
                 "reselect_ms": t_sel * 1e3,
                 "dense_step_ms": t_dense * 1e3,
@@ -92,7 +77,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser("python -m sgl_spec.bench.reselect", __doc__)
     ap.add_argument("--seq-len", type=int, default=7000)
     ap.add_argument("--nd", type=int, default=16)
     ap.add_argument("--budget", type=int, default=1024)
@@ -100,14 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument(
-        "--threads", type=int, default=1,
-        help="torch CPU threads (default 1: stable medians on a shared machine)",
-    )
+    cli.add_common(ap, out=None, repeats="timed calls per figure (median; default 20)",
+                   repeats_default=20, threads="torch CPU threads (default 1: stable medians "
+                   "on a shared machine; 0: leave torch's default)", threads_default=1,
+                   model_path=False)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     res = run(
         args.seq_len, args.nd, args.budget, args.num_q_heads, args.num_kv_heads,
         args.head_dim, getattr(torch, args.dtype), args.repeats,

@@ -1,6 +1,6 @@
-"""Benchmark: line-sparse prefill attention vs dense SDPA, same run, same inputs.
+"""Benchmark: line-sparse prefill attention (``kernels/vslash``) vs dense SDPA, same inputs.
 
-    python -m sgl_spec.kernels.vslash.bench --n 6144 --history 6144 --density 0.05 0.1 0.2
+    python -m sgl_spec.bench.vslash --n 6144 --history 6144 --density 0.05 0.1 0.2
 
 The baseline is the call the exact attention backend makes for an extend with a
 cached prefix: ``scaled_dot_product_attention`` with the offset causal mask and
@@ -13,8 +13,8 @@ stalls whenever the other core is busy, which swamps the comparison.
 Real-model inputs (``--qk FILE``, written by ``python -m sgl_spec.bench.prefill_mass
 --save-qk FILE``; per layer q/k/v after RoPE and the chat's turn boundary):
 
-    python -m sgl_spec.kernels.vslash.bench --qk FILE --crossover 256 512 1024 2048
-    python -m sgl_spec.kernels.vslash.bench --qk FILE --reuse
+    python -m sgl_spec.bench.vslash --qk FILE --crossover 256 512 1024 2048
+    python -m sgl_spec.bench.vslash --qk FILE --reuse
 
 ``--crossover``: per new-token count n, an extend of the first n tokens after
 ``--history`` cached ones, summed over ``--layers``: dense SDPA (the exact backend's
@@ -26,7 +26,8 @@ the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s def
 lines as seeds: selection time, density and recovered mass (full attention).
 
 The line kernel is the torch impl's: the C++ slash kernel where it builds
-(``cpu_kernel.py``), torch ops only with ``SGLSPEC_VSLASH_CPU_KERNEL=0``.
+(``kernels/vslash/cpu_kernel.py``), torch ops only with ``SGLSPEC_CPU_KERNELS=0``.
+Every time is ``timing.median_s`` (median of ``--repeats``, no warm-up call).
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from .lines import LineSet, density, make_lines
-from .select import SelectConfig, select_lines
+from sgl_spec.bench import cli
+from sgl_spec.bench.timing import median_s
+from sgl_spec.config import PrefillConfig
+from sgl_spec.kernels.vslash import vslash_attention
+from sgl_spec.kernels.vslash.lines import LineSet, density, make_lines
+from sgl_spec.kernels.vslash.select import SelectConfig, recovered_mass, select_lines
 
 
 def random_lines(
@@ -91,15 +95,6 @@ def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: i
     return out.squeeze(0).movedim(1, 0)
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
               repeats: int, max_density: float = 0.3, skip_density: float = 0.2) -> list[dict]:
     """Dense vs select + sparse per extend size, summed over the given layers.
@@ -114,10 +109,10 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
     ``dense_attention_torch`` alone. ``per_layer`` keeps each layer's figures,
     ``fallback_s`` among them: the dense path a layer falls back to.
     """
-    from sgl_spec.attention.sparse_prefill import SparsePrefill
-
-    from . import vslash_attention
-    from .torch_impl import dense_attention_torch
+    from sgl_spec.attention.prefill import SparsePrefill, Turn
+    from sgl_spec.config import PrefillConfig
+    from sgl_spec.requests import RequestHub
+    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 
     cfg = SelectConfig(alpha=alpha)
     rows = []
@@ -127,27 +122,27 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
         for i, lay in enumerate(layers):
             q = lay["q"][history : history + n]
             k, v = lay["k"][: history + n], lay["v"][: history + n]
-            d_s = _median_s(lambda: dense_sdpa(q, k, v, history), repeats)
-            x_s = _median_s(lambda: dense_attention_torch(q, k, v, history), repeats)
-            s_s = _median_s(lambda: select_lines(q, k, history, cfg), repeats)
+            d_s = median_s(lambda: dense_sdpa(q, k, v, history), repeats)
+            x_s = median_s(lambda: dense_attention_torch(q, k, v, history), repeats)
+            s_s = median_s(lambda: select_lines(q, k, history, cfg), repeats)
             lines = select_lines(q, k, history, cfg)
-            a_s = _median_s(
+            a_s = median_s(
                 lambda: vslash_attention(q, k, v, lines, history, impl="torch"), repeats)
             dl = float(density(lines, n, history).mean())
-            slots = torch.arange(history + n)
 
             def prefill() -> SparsePrefill:
-                return SparsePrefill(cfg, 1, len(layers), max_density=max_density,
-                                     skip_density=skip_density)
+                pc = PrefillConfig(mode="loopserve", alpha=alpha, min_tokens=1,
+                                   max_density=max_density, skip_density=skip_density)
+                return SparsePrefill(pc, len(layers), hub=RequestHub())
 
             def serve(sp: SparsePrefill) -> None:
-                sp.extend(i, 0, slots, q, k, v, history, None, k,
+                sp.extend(Turn("bench", history + n, None, False), i, q, k, v, history, None,
                           exact=lambda: dense_sdpa(q, k, v, history))
 
-            srv = _median_s(lambda: serve(prefill()), repeats)  # fresh: no state
+            srv = median_s(lambda: serve(prefill()), repeats)  # fresh: no state
             warm = prefill()
             serve(warm)
-            std = _median_s(lambda: serve(warm), repeats)
+            std = median_s(lambda: serve(warm), repeats)
             dense, split, select = dense + d_s, split + x_s, select + s_s
             sparse, serving, steady = sparse + a_s, serving + srv, steady + std
             dens += dl / len(layers)
@@ -186,8 +181,6 @@ def break_even(per_layer: list[dict]) -> list[dict]:
 
 def reuse(layers: list[dict], boundary: int, alpha: float, repeats: int) -> list[dict]:
     """Second turn of the captured chat, selected without and with turn 1's lines."""
-    from .select import recovered_mass
-
     cfg = SelectConfig(alpha=alpha)
     out = []
     for seeded in (False, True):
@@ -196,7 +189,7 @@ def reuse(layers: list[dict], boundary: int, alpha: float, repeats: int) -> list
             q, k = lay["q"], lay["k"]
             seeds = select_lines(q[:boundary], k[:boundary], 0, cfg) if seeded else None
             q2 = q[boundary:]
-            sel += _median_s(lambda: select_lines(q2, k, boundary, cfg, seeds=seeds), repeats)
+            sel += median_s(lambda: select_lines(q2, k, boundary, cfg, seeds=seeds), repeats)
             lines = select_lines(q2, k, boundary, cfg, seeds=seeds)
             dens += float(density(lines, q2.shape[0], boundary).mean()) / len(layers)
             mass += float(recovered_mass(q2, k, lines, boundary).mean()) / len(layers)
@@ -206,14 +199,14 @@ def reuse(layers: list[dict], boundary: int, alpha: float, repeats: int) -> list
     return out
 
 
-def main_qk(args) -> None:
+def main_qk(args: argparse.Namespace) -> None:
     data = torch.load(args.qk)
     picked = args.layers or list(range(len(data["layers"])))
     layers = [data["layers"][i] for i in picked]
     if args.crossover:
         for i, lay in zip(picked, layers):
             lay.setdefault("layer", i)
-        from .cpu_kernel import load_kernel
+        from sgl_spec.kernels.vslash.cpu_kernel import load_kernel
 
         kernel = "cpp" if load_kernel() is not None else "torch ops"
         rows = crossover(layers, args.crossover, args.history, args.alpha, args.repeats,
@@ -248,14 +241,22 @@ def main_qk(args) -> None:
         for r in rows:
             print(f"{str(r['seeded']):>7} {r['select_s']:9.3f} {r['density']:8.4f} "
                   f"{r['recovered_mass']:15.4f}")
-    if args.out:
-        with open(args.out, "a") as f:
+    _append_jsonl(args.out, rows)
+
+
+def _append_jsonl(path: str | None, rows: list[dict]) -> None:
+    """``--out``: one JSON line per row, appended (runs accumulate in one file)."""
+    if path:
+        with open(path, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.parser("python -m sgl_spec.bench.vslash", __doc__)
+    cli.add_common(ap, out="append JSON lines here", out_required=False, out_metavar="FILE",
+                   repeats="timed calls per figure (median; default 3)", repeats_default=3,
+                   threads="torch threads (0: leave)", model_path=False)
     ap.add_argument("--n", type=int, default=6144)
     ap.add_argument("--history", type=int, help="cached tokens (default 6144; with --qk 0)")
     ap.add_argument("--q-heads", type=int, default=9)
@@ -264,15 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--density", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--vertical-share", type=float, nargs="+", default=[0.5, 0.9])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--qk", metavar="FILE", help="real-model q/k/v (prefill_mass --save-qk)")
     ap.add_argument("--crossover", type=int, nargs="+", metavar="N",
                     help="with --qk: new-token counts to time dense vs select + sparse")
     ap.add_argument("--reuse", action="store_true", help="with --qk: seeded vs fresh turn 2")
     ap.add_argument("--layers", type=int, nargs="+", help="with --qk: layer ids (default all)")
-    ap.add_argument("--alpha", type=float, default=0.955, help="with --qk: selection alpha")
+    ap.add_argument("--alpha", type=float, default=PrefillConfig().alpha,
+                    help="selection alpha (default: the served --spec-prefill-alpha, "
+                    "%(default)s)")
     ap.add_argument("--max-density", type=float, default=0.3,
                     help="with --crossover: the serving rule's --spec-prefill-max-density")
     ap.add_argument("--skip-density", type=float, default=0.2,
@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-layer", action="store_true",
                     help="with --crossover: each layer, and the break-even per density bin")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.set_threads(args.threads)
     if args.qk:
         if not (args.crossover or args.reuse):
             ap.error("--qk needs --crossover N... or --reuse")
@@ -291,8 +290,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.history is None:
         args.history = 6144
 
-    from . import vslash_attention
-
     dtype = getattr(torch, args.dtype)
     n, hist = args.n, args.history
     g = torch.Generator().manual_seed(0)
@@ -300,12 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     k = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dtype)
     v = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dtype)
 
-    base_s = _median_s(lambda: dense_sdpa(q, k, v, hist), args.repeats)
-    select_s = _median_s(lambda: select_lines(q, k, hist, SelectConfig()), args.repeats)
+    base_s = median_s(lambda: dense_sdpa(q, k, v, hist), args.repeats)
+    select_s = median_s(lambda: select_lines(q, k, hist, SelectConfig(alpha=args.alpha)),
+                        args.repeats)
     rows = []
     for share, target in ((s, t) for s in args.vertical_share for t in args.density):
         lines = random_lines(args.kv_heads, n, hist, target, 64, 4, seed=1, vertical_share=share)
-        sparse_s = _median_s(
+        sparse_s = median_s(
             lambda: vslash_attention(q, k, v, lines, hist, impl="torch"), args.repeats
         )
         rows.append({
@@ -319,10 +317,7 @@ def main(argv: list[str] | None = None) -> None:
             "speedup": base_s / sparse_s, "select_s": select_s,
             "threads": torch.get_num_threads(),
         })
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    _append_jsonl(args.out, rows)
     print(f"n={n} N={hist} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
           f"{args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"dense SDPA {base_s:.3f} s; select_lines {select_s:.3f} s")

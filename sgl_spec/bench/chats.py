@@ -1,16 +1,19 @@
-"""The workloads of ``sgl_spec.bench.compare``: what is asked, not how it is timed.
+"""The speed chats of the harness: chat over a document, and growing context.
 
-Three workloads, each a frozen config with a ``quick`` and a ``full`` preset:
+Two kinds of conversation, each a frozen ``ChatConfig`` (``PRESETS``):
 
-* ``serving``: ``sglang.bench_serving --dataset-name random-ids`` (concurrent
-  single-turn requests of random token ids, no prefix reuse);
-* ``doc_chat``: chat over a document. Turn 1 holds a ~3k-token document and a
-  question; later turns are ~50-token follow-up questions about passages of it;
-* ``growing``: growing context. Every turn appends ~1k new tokens of prose and a
-  short question, so the prompt grows to ~6k tokens.
+* ``doc_chat``: turn 1 holds a ~3k-token document and a question; later turns are
+  ~50-token follow-up questions about passages of it (``turn_tokens = 0``). Their
+  time to first token is what a cached prefix saves: stock's torch_native extend
+  still attends over the whole sequence, sgl_spec only from the new queries;
+* ``growing``: every turn appends ~1k new tokens of prose and a short question, so
+  the prompt grows to ~6k tokens.
 
-Chat texts are built from ``sgl_spec.bench.corpus`` and are a pure function of
-(tokenizer, config), so both servers are asked exactly the same thing.
+A plan names them (``[plan] chats = ["doc_chat", "growing"]``, ``plan.RunPlan``); the
+runner plays them on every row with the first row's answers as the chat history, so
+every row is sent the same prompts and their TTFTs and outputs compare turn by turn.
+Texts come from ``sgl_spec.bench.corpus`` and are a pure function of (tokenizer,
+config).
 """
 
 from __future__ import annotations
@@ -19,23 +22,10 @@ import random
 from dataclasses import dataclass
 
 from sgl_spec.bench import corpus
+from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
-# SmolLM2's context window; a conversation must fit with its answers.
-CONTEXT_LEN = 8192
-
-
-@dataclass(frozen=True)
-class ServingConfig:
-    """Arguments of one ``sglang.bench_serving`` run (random-ids dataset)."""
-
-    num_prompts: int = 16
-    input_len: int = 512
-    output_len: int = 64
-    seed: int = 1
-
-    def __post_init__(self) -> None:
-        if min(self.num_prompts, self.input_len, self.output_len) <= 0:
-            raise ValueError(f"ServingConfig values must be positive: {self}")
+# Question and chat-template tokens per turn, for the context-window check.
+TURN_OVERHEAD_TOKENS = 80
 
 
 @dataclass(frozen=True)
@@ -43,7 +33,7 @@ class ChatConfig:
     """Conversations played turn by turn, greedy, answers up to ``max_tokens``.
 
     ``first_tokens`` is the prose in turn 1 (the document), ``turn_tokens`` the
-    new prose added by every later turn (0: a question only).
+    new prose added by every later turn (0: a follow-up question only).
     """
 
     conversations: int
@@ -58,47 +48,33 @@ class ChatConfig:
             raise ValueError(f"conversations, turns and max_tokens must be positive: {self}")
         if self.first_tokens <= 0 or self.turn_tokens < 0:
             raise ValueError(f"first_tokens must be > 0 and turn_tokens >= 0: {self}")
-        # ~80 tokens per turn of question and chat-template overhead.
         need = self.first_tokens + (self.turns - 1) * self.turn_tokens
-        need += self.turns * (self.max_tokens + 80)
+        need += self.turns * (self.max_tokens + TURN_OVERHEAD_TOKENS)
         if need > CONTEXT_LEN:
-            raise ValueError(
-                f"a conversation needs ~{need} tokens, over the {CONTEXT_LEN}-token "
-                f"context window: {self}"
-            )
+            raise ValueError(f"a conversation needs ~{need} tokens, over the {CONTEXT_LEN}-"
+                             f"token context window: {self}")
+
+    @property
+    def follow_ups(self) -> bool:
+        """Later turns only ask about the cached document (the TTFT headline)."""
+        return self.turn_tokens == 0
 
 
-@dataclass(frozen=True)
-class WorkloadConfig:
-    serving: ServingConfig
-    doc_chat: ChatConfig
-    growing: ChatConfig
-
-    @classmethod
-    def preset(cls, quick: bool) -> "WorkloadConfig":
-        if quick:
-            return cls(
-                serving=ServingConfig(num_prompts=4, input_len=256, output_len=32),
-                doc_chat=ChatConfig(conversations=1, turns=3, first_tokens=3000,
-                                    turn_tokens=0, max_tokens=32, seed=0),
-                growing=ChatConfig(conversations=1, turns=3, first_tokens=1000,
-                                   turn_tokens=1000, max_tokens=32, seed=100),
-            )
-        return cls(
-            serving=ServingConfig(),
-            doc_chat=ChatConfig(conversations=3, turns=5, first_tokens=3000,
-                                turn_tokens=0, seed=0),
-            growing=ChatConfig(conversations=1, turns=6, first_tokens=950,
-                               turn_tokens=950, seed=100),
-        )
+PRESETS: dict[str, ChatConfig] = {
+    "doc_chat": ChatConfig(conversations=3, turns=5, first_tokens=3000, turn_tokens=0),
+    "growing": ChatConfig(conversations=1, turns=6, first_tokens=950, turn_tokens=950,
+                          seed=100),
+    "doc_chat-quick": ChatConfig(conversations=1, turns=3, first_tokens=3000, turn_tokens=0,
+                                 max_tokens=32),
+    "growing-quick": ChatConfig(conversations=1, turns=3, first_tokens=1000,
+                                turn_tokens=1000, max_tokens=32, seed=100),
+}
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """The user messages of one conversation; answers come from a server."""
-
-    name: str
-    user_turns: tuple[str, ...]
+def preset(name: str) -> ChatConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown chat {name!r}; valid: {sorted(PRESETS)}")
+    return PRESETS[name]
 
 
 # Follow-up questions about a passage, ~50 tokens each with the quoted opening.
@@ -140,8 +116,9 @@ def _question(rng: random.Random, templates: tuple[str, ...], turn: int,
     return template.format(quote=_quote(rng.choice(passages)))
 
 
-def conversations(tokenizer: corpus.Tokenizer, cfg: ChatConfig, name: str) -> list[Conversation]:
-    """The user turns of ``cfg.conversations`` conversations, deterministic in ``cfg``.
+def conversations(tokenizer: corpus.Tokenizer, cfg: ChatConfig, name: str) -> list[ChatScript]:
+    """The user turns of ``cfg.conversations`` conversations named ``<name>-<i>``,
+    deterministic in ``cfg``.
 
     Turn 1 is ``first_tokens`` of prose plus a question; each later turn adds
     ``turn_tokens`` of new prose (none for a document chat) plus a question.
@@ -150,8 +127,8 @@ def conversations(tokenizer: corpus.Tokenizer, cfg: ChatConfig, name: str) -> li
     for c in range(cfg.conversations):
         seed = cfg.seed + 1000 * c
         rng = random.Random(seed)
-        sizes = [cfg.first_tokens] + [cfg.turn_tokens] * (cfg.turns - 1 if cfg.turn_tokens else 0)
-        chunks = corpus.chunks(tokenizer, sizes, seed)
+        later = cfg.turns - 1 if cfg.turn_tokens else 0
+        chunks = corpus.chunks(tokenizer, [cfg.first_tokens] + [cfg.turn_tokens] * later, seed)
         turns = []
         for t in range(cfg.turns):
             if t == 0:
@@ -162,5 +139,5 @@ def conversations(tokenizer: corpus.Tokenizer, cfg: ChatConfig, name: str) -> li
                 turns.append(_MORE_INTRO + corpus.join(chunks[t]) + "\n\n" + q)
             else:
                 turns.append(_question(rng, _DOC_QUESTIONS, t, chunks[0]))
-        out.append(Conversation(f"{name}-{c}", tuple(turns)))
+        out.append(ChatScript(f"{name}-{c}", tuple(turns)))
     return out

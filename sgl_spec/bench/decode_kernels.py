@@ -1,0 +1,130 @@
+"""Micro-benchmark: one decode step's attention, stock torch_native against sgl_spec.
+
+    python -m sgl_spec.bench.decode_kernels --out results/decode-kernels \\
+        [--histories 512 7168] [--batches 1 4] [--layers 30] [--threads 2]
+
+Per (history, batch): one decode step of every request over ``--layers`` layers of the
+default model's shape (9 query heads, 3 KV heads, head_dim 64, bf16 KV in a pool with
+scattered slots, as a server's pool after some churn), through
+
+* ``torch_native``: stock sglang's decode call (SDPA per request, ``enable_gqa``), what
+  stock serves and what sgl_spec's exact mode replaced;
+* ``exact cpu`` / ``exact torch``: sgl_spec's exact mode, ``sparse_decode`` over dense
+  subsets with the C++ kernel or the torch fallback (SDPA's fused kernel);
+* ``loopserve cpu``: a sparse step of LoopServe B=``--budget`` (sink 4, window 64 + 16
+  decoded tokens), what a selected request attends.
+
+Reports the median milliseconds of ``--repeats`` after one warm-up, the ratio to
+torch_native, and each path's relative error against float64 attention over the same
+positions. Writes results.json and results.md. Not a test; CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_spec.bench import cli, render
+from sgl_spec.bench.timing import median_s
+from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets, sparse_decode
+from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
+
+PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu")
+
+
+def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    pool = batch * history + 64
+    ks = [torch.randn(pool, hkv, d, generator=g).bfloat16() for _ in range(layers)]
+    vs = [torch.randn(pool, hkv, d, generator=g).bfloat16() for _ in range(layers)]
+    perm = torch.randperm(pool, generator=g)[: batch * history].int().view(batch, history)
+    q = torch.randn(batch, hq, d, generator=g).bfloat16()
+    return ks, vs, perm, q
+
+
+def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSubsets:
+    g = torch.Generator().manual_seed(seed)
+    n = int(seq[0])
+    recent = n - window
+    sel = torch.stack([torch.stack([torch.randperm(recent - sink, generator=g)[:budget].sort()
+                                    .values + sink for _ in range(hkv)]) for _ in rows])
+    return DecodeSubsets(r2t, rows, seq, sel, torch.full((len(rows), hkv), budget),
+                         torch.full((len(rows),), recent), sink)
+
+
+def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
+              hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
+    from sgl_spec.integration.standalone import torch_native_decode
+
+    ks, vs, r2t, q = _setup(history, batch, layers, hq, hkv, d)
+    rows, seq = torch.arange(batch), torch.full((batch,), history)
+    scale = d**-0.5
+    dense = dense_subsets(r2t, rows, seq, hkv)
+    subsets = {"exact cpu": dense, "exact torch": dense}
+    if history > budget + 4 + 80:
+        subsets["loopserve cpu"] = _sparse(r2t, rows, seq, hkv, budget)
+    out = torch.empty_like(q)
+
+    def native():
+        for k, v in zip(ks, vs):
+            torch_native_decode(q, out, k, v, r2t, rows, seq, scale)
+        return out
+
+    def ours(path):
+        impl = path.split()[1]
+        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out)
+                        for k, v in zip(ks, vs)][-1]
+
+    fns = {"torch_native": native, **{p: ours(p) for p in subsets}}
+    ms = {p: 1e3 * median_s(fn, repeats, warmup=1) for p, fn in fns.items()}
+    errs = {}
+    for p, fn in fns.items():
+        sub = subsets.get(p, dense)
+        # The reference computes in float64 from fp32 copies of the same values.
+        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
+                                      scale=scale).double()
+        got = fn().double()
+        errs[p] = float((got - ref).norm() / ref.norm())
+    return {"history": history, "batch": batch, "layers": layers, "ms": ms,
+            "vs_torch_native": {p: ms[p] / ms["torch_native"] for p in ms}, "rel_err": errs}
+
+
+def markdown(res: dict) -> str:
+    rows = []
+    for pt in res["points"]:
+        for p in PATHS:
+            if p in pt["ms"]:
+                rows.append([str(pt["history"]), str(pt["batch"]), p,
+                             render.num(pt["ms"][p], digits=1),
+                             render.ratio(pt["vs_torch_native"][p]), f"{pt['rel_err'][p]:.1e}"])
+    c = res["config"]
+    head = (f"One decode step, {c['layers']} layers, 9/3 heads, head_dim 64, bf16 KV, "
+            f"{c['threads']} threads, median of {c['repeats']}.")
+    return "\n".join([head, "", *render.table(
+        ["history", "batch", "path", "ms / step", "vs torch_native", "rel. err (fp64)"],
+        rows)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = cli.parser("python -m sgl_spec.bench.decode_kernels", __doc__)
+    cli.add_common(ap, repeats="timed steps per figure (median; default 5)", repeats_default=5,
+                   threads="torch CPU threads (default 0: leave torch's default)",
+                   model_path=False)
+    ap.add_argument("--histories", type=int, nargs="+", default=[512, 7168])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--budget", type=int, default=1024)
+    args = ap.parse_args(argv)
+    if min(args.histories + args.batches + [args.layers, args.repeats, args.budget]) < 1:
+        ap.error("--histories, --batches, --layers, --repeats and --budget must be >= 1")
+    cli.set_threads(args.threads)
+    res = {"config": {"layers": args.layers, "repeats": args.repeats, "budget": args.budget,
+                      "threads": torch.get_num_threads()},
+           "points": [run_point(h, b, args.layers, args.budget, args.repeats)
+                      for h in args.histories for b in args.batches]}
+    md = markdown(res)
+    cli.write_results(args.out, res, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The kernel micro-benchmarks (``sgl_spec.bench.vslash``, ``sgl_spec.bench.reselect``) on
+tiny shapes: every figure is reported and the ratios are the figures' ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+def test_crossover_bench_times_every_path_on_the_same_extend():
+    """The bench behind the README's crossover table runs on a tiny layer: every path
+    is timed, the baseline (exact mode's masked call) and the fused split agree, and
+    the serving path's figure is reported."""
+    from sgl_spec.bench.vslash import break_even, crossover, dense_sdpa
+    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+
+    g = torch.Generator().manual_seed(3)
+    hist, n = 48, 80
+    lay = {"q": torch.randn(hist + n, 6, 16, generator=g),
+           "k": torch.randn(hist + n, 2, 16, generator=g),
+           "v": torch.randn(hist + n, 2, 16, generator=g), "layer": 0}
+    q, k, v = lay["q"][hist:], lay["k"], lay["v"]
+    torch.testing.assert_close(dense_sdpa(q, k, v, hist), dense_attention_torch(q, k, v, hist),
+                               rtol=1e-4, atol=1e-5)
+    (row,) = crossover([lay], [n], hist, alpha=0.9, repeats=1)
+    for key in ("dense_s", "split_s", "select_s", "vslash_s", "serving_s", "steady_s"):
+        assert row[key] > 0 and row["per_layer"][0][key] == row[key]
+    assert 0 < row["density"] <= 1 and row["n"] == n and row["history"] == hist
+    layer = row["per_layer"][0]
+    assert layer["fallback_s"] == layer["split_s"]  # over a prefix: the fused split
+    (b,) = break_even(row["per_layer"])
+    assert b["lo"] <= layer["density"] < b["hi"] and b["layers"] == 1
+    assert b["vslash"] == pytest.approx(layer["vslash_s"] / layer["split_s"])
+
+
+def test_vslash_cli_appends_json_lines(tmp_path, capsys):
+    from sgl_spec.bench import vslash
+
+    out = tmp_path / "rows.jsonl"
+    args = ["--n", "64", "--history", "32", "--q-heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--density", "0.5", "--vertical-share", "0.5",
+            "--repeats", "1", "--out", str(out)]
+    vslash.main(args)
+    vslash.main(args)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2  # --out appends
+    r = rows[0]
+    assert (r["n"], r["history"], r["q_heads"], r["kv_heads"], r["head_dim"]) == (64, 32, 4, 2,
+                                                                                 16)
+    assert r["speedup"] == pytest.approx(r["dense_sdpa_s"] / r["vslash_torch_s"])
+    assert 0 < r["density"] <= 1
+    assert "dense SDPA" in capsys.readouterr().out
+
+
+def test_reselect_bench_ratio_is_reselect_over_nd_dense_steps(tmp_path):
+    from sgl_spec.bench import reselect
+
+    res = reselect.run(seq_len=256, nd=4, budget=32, num_q_heads=4, num_kv_heads=2,
+                       head_dim=16, dtype=torch.float32, repeats=1)
+    assert res["config"]["seq_len"] == 256 and res["config"]["nd"] == 4
+    assert list(res["per_layer"]) == ["K/V laid out", "gather from pool"]
+    for r in res["per_layer"].values():
+        assert r["nd_dense_steps_ms"] == pytest.approx(4 * r["dense_step_ms"])
+        assert r["ratio"] == pytest.approx(r["reselect_ms"] / r["nd_dense_steps_ms"])
+    out = tmp_path / "r.json"
+    reselect.main(["--seq-len", "256", "--nd", "4", "--budget", "32", "--num-q-heads", "4",
+                   "--num-kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                   "--threads", "0", "--json", str(out)])
+    assert json.loads(out.read_text())["config"]["budget"] == 32
+
+
+def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys):
+    from sgl_spec.bench import decode_kernels
+
+    decode_kernels.main(["--out", str(tmp_path), "--histories", "64", "300", "--batches", "2",
+                         "--layers", "2", "--repeats", "1", "--budget", "32"])
+    res = json.loads((tmp_path / "results.json").read_text())
+    short, long_ = res["points"]
+    assert set(short["ms"]) == {"torch_native", "exact cpu", "exact torch"}
+    assert set(long_["ms"]) == {*decode_kernels.PATHS}  # the sparse step needs a history
+    for pt in res["points"]:
+        assert pt["vs_torch_native"]["torch_native"] == 1.0
+        assert all(v > 0 for v in pt["ms"].values())
+        assert all(e < 2e-2 for e in pt["rel_err"].values())  # bf16 against fp64
+    assert "| 300 | 2 | loopserve cpu |" in capsys.readouterr().out
