@@ -51,6 +51,8 @@ def load_cpu_kernel(name: str, source: Path) -> ModuleType | None:
     mode = cpu_kernels()
     if mode == "0":
         return None
+    if name in _built:  # the per-call path: no lock
+        return _built[name]
     with _lock:
         if name not in _built:
             try:

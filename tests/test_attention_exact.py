@@ -58,7 +58,7 @@ def test_extend_matches_torch_native(prefix_lens, new_lens, dtype):
     core = _core()
     plan = core.plan(_view("extend", seq_lens, r2t, new_lens))
     got = torch.full_like(q, float("nan"))  # poisoned: all must be written
-    core.extend(plan, 0, q, k_cache, v_cache, got, 0.25)
+    core.run(plan, 0, q, k_cache, v_cache, got, 0.25)
     want = torch.full_like(q, float("nan"))
     TorchNativeAttnBackend._run_sdpa_forward_extend(
         object.__new__(TorchNativeAttnBackend), q, want, k_cache, v_cache, r2t,
@@ -82,7 +82,7 @@ def test_decode_matches_torch_native(seq_lens, dtype):
     core = _core()
     plan = core.plan(_view("decode", seq_lens, r2t))
     got = torch.full_like(q, float("nan"))
-    core.decode(plan, 0, q, k_cache, v_cache, got, DIM**-0.5)
+    core.run(plan, 0, q, k_cache, v_cache, got, DIM**-0.5)
     want = torch.empty_like(q)
     TorchNativeAttnBackend._run_sdpa_forward_decode(
         object.__new__(TorchNativeAttnBackend), q, want, k_cache, v_cache, r2t,

@@ -148,3 +148,34 @@ def test_agreement_summary():
     assert got == {"n": 3, "identical": 1, "mean_prefix": 2.0, "min_prefix": 0,
                    "mean_share": 0.75}
     assert agreement.agreement_summary([])["mean_share"] is None
+
+
+def test_compare_runs_pairs_rows_and_reports_divergences_with_margins(tmp_path, capsys):
+    import json
+    from dataclasses import asdict
+
+    def turn(ids, margins, conv="c0", turn_no=1):
+        top = tuple((("a", -0.1), ("b", -0.1 - m)) for m in margins)
+        return TurnResult(conv, turn_no, 0.1, 0.2, 10, 0, len(ids), "length", "x", "sha",
+                          tuple(ids), top)
+
+    def write(d, name, chat, longgen):
+        d.mkdir(exist_ok=True)
+        (d / f"turns-{name}.json").write_text(json.dumps(
+            {"chat": [asdict(t) for t in chat], "longgen": [asdict(t) for t in longgen]}))
+
+    before, after = tmp_path / "before", tmp_path / "after"
+    write(before, "exact", [turn([1, 2, 3], [1.0, 0.2, 1.0])], [turn([5, 6], [2.0, 2.0], "lg")])
+    write(after, "exact", [turn([1, 9, 3], [1.0, 0.1, 1.0])], [turn([5, 6], [2.0, 2.0], "lg")])
+    write(before, "only-before", [turn([1], [1.0])], [])
+    rows = agreement.compare_runs(str(before), str(after))
+    assert list(rows) == ["exact"]
+    chat = rows["exact"]["chat"]["counts"]
+    assert (chat["identical"], chat["near_tie_divergences"], chat["other_divergences"]) == (0, 1, 0)
+    assert rows["exact"]["longgen"]["counts"]["identical"] == 1
+    agreement.main([str(before), str(after), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "| exact | chat | 1 | 1 | 0 | 1 | 0 | 1: 0.100 |" in out
+    assert (tmp_path / "out" / "results.json").exists()
+    with pytest.raises(SystemExit):
+        agreement.main([str(before), str(tmp_path / "nowhere")])

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import sgl_spec
-
 ROOT = Path(__file__).resolve().parents[1]
 # Test modules of the sglang-free code (and what of them needs a server or sglang).
 SGLANG_FREE_TESTS = [
@@ -27,6 +25,7 @@ NEEDS_SGLANG = "batch_view"  # test_sparse_backend: the integration's ForwardBat
 
 
 def sglang_free_modules() -> list[str]:
+    import sgl_spec
     import sgl_spec.kernels
 
     names = {sgl_spec.__name__, sgl_spec.kernels.__name__}

@@ -108,6 +108,29 @@ def test_decoder_matches_policy_and_reference_kernel():
     assert dec.live_states == 0 and len(dec.policy.slots) == 0
 
 
+def test_a_contiguous_history_is_scored_in_place():
+    """One reselecting row whose slots are one run: scoring reads the pool's slice (no
+    gather) and selects what a twin policy fed the gathered keys selects."""
+    dec = decoder("loopserve")
+    twin = get_policy("loopserve", CFG, SHAPE)
+    pool = FakePool(contiguous=True)
+    pool.append(0, 100)
+    twin.start("r", 100)
+    for step in range(5):
+        pool.append(0)
+        plan = dec.plan(view(pool, ["r"], [0]))
+        qs = [torch.randn(1, SHAPE.num_q_heads, SHAPE.head_dim, generator=pool.gen)
+              for _ in range(SHAPE.num_layers)]
+        r, sels = decode_step(twin, "r", pool.lens[0], lambda layer: qs[layer][0],
+                              lambda layer: pool.history(layer, 0))
+        for layer in range(SHAPE.num_layers):
+            run_layer(dec, plan, pool, qs[layer], layer)
+    assert r.reselect and isinstance(plan.reselect[2], slice)
+    for layer in range(SHAPE.num_layers):
+        got = dec.policy.selection(layer, torch.tensor([dec.policy.state("r").slot]))
+        assert torch.equal(got[0], sels[layer])
+
+
 def test_decoder_rejects_unknown_impl():
     with pytest.raises(ValueError, match="valid: cpu, torch, triton, flashinfer"):
         decoder("loopserve", impl="cuda")
@@ -274,7 +297,7 @@ def test_snapkv_scores_the_final_chunk_and_decodes_its_selection():
     twin.start("r", 90)
     for layer in range(SHAPE.num_layers):
         out = torch.full_like(q, float("nan"))
-        core.extend(plan, layer, q, pool.k[layer], pool.v[layer], out, SCALE)
+        core.run(plan, layer, q, pool.k[layer], pool.v[layer], out, SCALE)
         assert torch.isfinite(out).all()
         twin.prefill_layer("r", layer, q[30 - CFG.window : 30], pool.history(layer, 0))
     assert "s" not in core.decoder.policy.states

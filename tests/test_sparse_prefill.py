@@ -65,7 +65,7 @@ def extend(sp: SparsePrefill | None, batch: Batch, layers: int = 1) -> torch.Ten
     plan = core.plan(batch.view())
     for layer in range(layers):
         out = torch.full_like(batch.q, float("nan"))  # poisoned: all must be written
-        core.extend(plan, layer, batch.q, batch.k, batch.v, out, SCALE)
+        core.run(plan, layer, batch.q, batch.k, batch.v, out, SCALE)
     return out
 
 
@@ -176,9 +176,9 @@ def test_lines_are_offered_after_the_last_layer_and_seed_the_next_turn():
     core = AttentionCore(Decoder(AttnShape(2, HEADS, KV_HEADS, DIM)), sp)
     plan = core.plan(turn1.view())
     out = torch.empty_like(turn1.q)
-    core.extend(plan, 0, turn1.q, turn1.k, turn1.v, out, SCALE)
+    core.run(plan, 0, turn1.q, turn1.k, turn1.v, out, SCALE)
     assert hub.take_lines("a", 40) is None  # not offered before the last layer
-    core.extend(plan, 1, turn1.q, turn1.k, turn1.v, out, SCALE)
+    core.run(plan, 1, turn1.q, turn1.k, turn1.v, out, SCALE)
     assert hub.take_lines("a", 39) is None  # the tree does not hold its tokens yet
     lines = hub.take_lines("a", 40)
     assert lines.end == 40 and sorted(lines.layers) == [0, 1]

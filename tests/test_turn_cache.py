@@ -230,13 +230,14 @@ def test_turn_eviction_never_evicts_locked_nodes():
     assert cache.evictable_size() == 0 and match(cache, tokens)[0] == 0
 
 
-def test_lru_policy_counts_everything_as_lru():
-    cache, alloc = build("tagged", 2000)
+@pytest.mark.parametrize("kind", ["tagged", "spec"])
+def test_lru_policy_counts_everything_as_lru(kind):
+    cache, alloc = build(kind, 2000)
     _chat(cache, alloc, 0, rounds=3, think=True, base=20)
     total = cache.evictable_size()
     assert evict(cache, 10_000) == total
-    assert cache.tree_core.freed_by_rule == {
-        "dead_reasoning": 0, "inactive_conversation": 0, "lru": total}
+    freed = cache.summary()["freed_tokens_by_rule"]
+    assert freed["lru"] == total and sum(freed.values()) == total
 
 
 def test_cache_eviction_flag_rejects_unknown_policies(capsys):

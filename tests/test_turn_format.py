@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _turns import END_THINK, FMT, IM_END, IM_START, NL, THINK, USER, turn
+from _turns import END_THINK, FMT, IM_START, NL, THINK, USER, turn
 
 from sgl_spec.cache.segment import UNTAGGED, TurnTag, segment
 from sgl_spec.cache.summary import Segment, summary, totals

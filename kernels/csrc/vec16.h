@@ -71,6 +71,27 @@ inline vf exp_nonpos(vf x) {
   return zero ? splat(0.f) : p * s;
 }
 
+// In place over a row of scores (padded to a multiple of W, padding -inf): the row's
+// max, then e^(s - max) for every entry; returns {max, sum of the exponentials}.
+struct RowExp {
+  float base, sum;
+};
+inline RowExp exp_row(float* s, int64_t padded) {
+  vf mx = splat(NEG_INF);
+  for (int64_t j = 0; j < padded; j += W) {
+    const vf x = ld(s + j);
+    mx = x > mx ? x : mx;
+  }
+  const float base = hmax(mx);
+  vf acc = splat(0.f);
+  for (int64_t j = 0; j < padded; j += W) {
+    const vf e = exp_nonpos(ld(s + j) - base);
+    st(s + j, e);
+    acc += e;
+  }
+  return {base, hsum(acc)};
+}
+
 // Sums of 16 vectors, one per lane: a four-level fold, each level halving every
 // vector's live lanes and merging two vectors into one; lanes come out bit-reversed.
 inline vf fold(vf x, vf y, vi lo, vi hi) {

@@ -119,6 +119,13 @@ def check_inputs(
     return Dims(batch, hq, hkv, hq // hkv, d, v_buf.shape[2], sub.sel_idx.shape[2])
 
 
+def dims_of(q: torch.Tensor, k_buf: torch.Tensor, sub: DecodeSubsets) -> Dims:
+    """The dimensions ``check_inputs`` returns, without its checks."""
+    batch, hq, d = q.shape
+    hkv = k_buf.shape[1]
+    return Dims(batch, hq, hkv, hq // hkv, d, d, sub.sel_idx.shape[2])
+
+
 def check_out(out: torch.Tensor | None, q: torch.Tensor, dims: Dims) -> torch.Tensor:
     """``out`` (checked), or a new ``[B, Hq, Dv]`` tensor of q's dtype."""
     shape = (dims.batch, dims.num_q_heads, dims.v_head_dim)

@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 from ..cpu_build import load_cpu_kernel
-from .common import DecodeSubsets, check_inputs, check_out
+from .common import DecodeSubsets, Dims
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_cpu.cpp"
 
@@ -28,13 +28,22 @@ def load_kernel() -> ModuleType | None:
     return load_cpu_kernel("decode_cpu", SOURCE)
 
 
+_supported: dict[tuple, bool] = {}
+
+
 def supported(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
     """Whether the kernel takes this call (CPU tensors and an instantiated shape)."""
     if q.device.type != "cpu" or q.dim() != 3 or k_buf.dim() != 3 or k_buf.shape[1] == 0:
         return False
     mod = load_kernel()
-    group, rem = divmod(q.shape[1], k_buf.shape[1])
-    return mod is not None and not rem and mod.supported(k_buf.dtype, q.shape[2], group)
+    if mod is None:
+        return False
+    key = (k_buf.dtype, q.shape[1], k_buf.shape[1], q.shape[2])
+    hit = _supported.get(key)
+    if hit is None:
+        group, rem = divmod(q.shape[1], k_buf.shape[1])
+        hit = _supported[key] = not rem and mod.supported(k_buf.dtype, q.shape[2], group)
+    return hit
 
 
 def sparse_decode_cpu(
@@ -42,12 +51,11 @@ def sparse_decode_cpu(
     k_buf: torch.Tensor,  # [num_slots, Hkv, D], rows contiguous
     v_buf: torch.Tensor,  # [num_slots, Hkv, D]
     sub: DecodeSubsets,
+    dims: Dims,
     *,
     scale: float,
-    out: torch.Tensor | None = None,  # [B, Hq, D], q.dtype, written if given
-) -> torch.Tensor:  # [B, Hq, D], q.dtype
-    dims = check_inputs(q, k_buf, v_buf, sub)
-    out = check_out(out, q, dims)
+    out: torch.Tensor,  # [B, Hq, D], q.dtype, written
+) -> torch.Tensor:  # out
     if not supported(q, k_buf) or dims.v_head_dim != dims.head_dim:
         raise ValueError(
             f"the cpu sparse-decode impl takes CPU tensors with head_dim 32/64/128, 1-8 "
@@ -55,8 +63,6 @@ def sparse_decode_cpu(
             f"{dims.head_dim}, group {dims.group}, {k_buf.dtype}; built: "
             f"{load_kernel() is not None}); valid impls otherwise: torch"
         )
-    if dims.batch == 0:
-        return out
     qs = (q.float() * scale).contiguous()
     res = load_kernel().decode(
         qs, k_buf, v_buf, sub.req_to_token.int(), sub.rows.long().contiguous(),

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import DecodeSubsets, check_inputs
+from .common import DecodeSubsets, Dims
 
 # Group sizes FlashInfer's CUDA-core decode kernel is compiled for; others go
 # through its tensor-core (prefill) kernel.
@@ -221,12 +221,12 @@ def sparse_decode_flashinfer(
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, D]
     sub: DecodeSubsets,
+    dims: Dims,
     *,
     scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor,
 ) -> torch.Tensor:  # [B, Hq, D], q.dtype
     """One-shot plan + run; a serving loop keeps a ``FlashInferSparseDecode`` instead."""
-    dims = check_inputs(q, k_buf, v_buf, sub)
     runner = FlashInferSparseDecode(q.device)
     runner.plan(
         sub, num_q_heads=dims.num_q_heads, num_kv_heads=dims.num_kv_heads,

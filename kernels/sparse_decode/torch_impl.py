@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from .common import DecodeSubsets, check_inputs, check_out
+from .common import DecodeSubsets, Dims
 
 
 def gather_rows(
@@ -102,13 +102,11 @@ def sparse_decode_torch(
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
     sub: DecodeSubsets,
+    dims: Dims,
     *,
     scale: float,
-    out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
-) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
-    dims = check_inputs(q, k_buf, v_buf, sub)
-    out = check_out(out, q, dims)
-    if dims.batch:
-        fn = _dense if sub.dense else _subset
-        out.copy_(fn(q, k_buf, v_buf, sub, dims, scale))
+    out: torch.Tensor,  # [B, Hq, Dv], q.dtype, written
+) -> torch.Tensor:  # out
+    fn = _dense if sub.dense else _subset
+    out.copy_(fn(q, k_buf, v_buf, sub, dims, scale))
     return out

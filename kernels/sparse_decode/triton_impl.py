@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DecodeSubsets, check_inputs, check_out
+from .common import DecodeSubsets, Dims
 
 
 @triton.jit
@@ -140,26 +140,23 @@ def sparse_decode_triton(
     k_buf: torch.Tensor,  # [num_slots, Hkv, D]
     v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
     sub: DecodeSubsets,
+    dims: Dims,
     *,
     scale: float,
-    out: torch.Tensor | None = None,  # [B, Hq, Dv], q.dtype, written if given
-) -> torch.Tensor:  # [B, Hq, Dv], q.dtype
-    dims = check_inputs(q, k_buf, v_buf, sub)
+    out: torch.Tensor,  # [B, Hq, Dv], q.dtype, written
+) -> torch.Tensor:  # out
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(
             f"the triton impl needs CUDA tensors (got {q.device}) or "
             "TRITON_INTERPRET=1 set before sgl_spec.kernels.sparse_decode.triton_impl "
             "is imported; valid impls on CPU: torch"
         )
-    out = check_out(out, q, dims)
     for name, t in (
         ("q", q), ("k_buf", k_buf), ("v_buf", v_buf), ("out", out),
         ("req_to_token", sub.req_to_token), ("sel_idx", sub.sel_idx),
     ):
         if t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride in its last dim, got {t.stride()}")
-    if dims.batch == 0:
-        return out
     sel_idx, sel_len = sub.sel_idx, sub.sel_len
     if dims.max_sel == 0:
         # A [B, Hkv, 0] tensor may carry any strides; the kernel never reads it.

@@ -2,7 +2,7 @@
 
 The integration's backend builds a ``BatchView`` in ``init_forward_metadata`` and
 calls ``plan`` (once per pass, before the layers); each layer then writes its K/V and
-calls ``decode`` or ``extend`` with the plan. The plan holds everything the layers
+makes one ``run`` call with the plan. The plan holds everything the layers
 share: the decode subsets and policy row groups (``decode.Decoder``), the extend
 spans, LoopServe's sparse extends with their seeds (``prefill.SparsePrefill``) and the
 prompts a policy scores (SnapKV). Retrieval heads, round selections and tiered KV
@@ -48,28 +48,19 @@ class AttentionCore:
         return AttentionPlan(extend=ExtendPlan(spans(batch), turns,
                                                self.decoder.plan_extend(batch)))
 
-    def decode(
+    def run(
         self,
         plan: AttentionPlan,
         layer: int,
-        q: torch.Tensor,  # [B, Hq, D]
-        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's pool, pass written
+        q: torch.Tensor,  # [num_tokens, Hq, D] (decode: one token per request)
+        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's pool, the pass's K written
         v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-        out: torch.Tensor,  # [B, Hq, Dv], written
+        out: torch.Tensor,  # [num_tokens, Hq, Dv], written
         scale: float,
     ) -> torch.Tensor:
-        return self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
-
-    def extend(
-        self,
-        plan: AttentionPlan,
-        layer: int,
-        q: torch.Tensor,  # [num_new_tokens, Hq, D]
-        k_buf: torch.Tensor,  # [num_slots, Hkv, D] this layer's pool, pass written
-        v_buf: torch.Tensor,  # [num_slots, Hkv, Dv]
-        out: torch.Tensor,  # [num_new_tokens, Hq, Dv], written
-        scale: float,
-    ) -> torch.Tensor:
+        """One layer of the pass the plan was made for (decode or extend)."""
+        if plan.decode is not None:
+            return self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
         ext = plan.extend
         for i, sp in enumerate(ext.spans):
             slots = sp.slots.long()

@@ -97,7 +97,8 @@ class DecodePlan(NamedTuple):
     subsets: DecodeSubsets  # all rows; sel_idx is filled per layer when `sparse` is set
     sparse: Group | None = None  # rows attending a selection (policy width > 0)
     observe: tuple[Group, torch.Tensor] | None = None  # rows whose queries are kept, ring idx
-    reselect: tuple[Group, ReselectBatch, torch.Tensor] | None = None  # + key slots [R, N]
+    # + the rows' key slots: [R, N], or a slice of the pool for one row on contiguous slots
+    reselect: tuple[Group, ReselectBatch, torch.Tensor | slice] | None = None
 
 
 class Decoder:
@@ -122,6 +123,7 @@ class Decoder:
         self.stats = DecodeStats()
         self._forward = 0  # forward passes planned
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
+        self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
 
     # ------------------------------------------------------------ lifetime
 
@@ -251,15 +253,22 @@ class Decoder:
             self.policy.observe(layer, q.index_select(0, group.idx), group.slots, ring)
         if plan.reselect is not None:
             group, rb, key_slots = plan.reselect
-            n, hkv, d = key_slots.shape[1], k_buf.shape[1], k_buf.shape[2]
-            keys = k_buf.index_select(0, key_slots.view(-1)).view(-1, n, hkv, d)
+            if isinstance(key_slots, slice):  # one row on a contiguous run of slots
+                keys = k_buf[key_slots][None]  # a view: nothing gathered
+            else:
+                n, hkv, d = key_slots.shape[1], k_buf.shape[1], k_buf.shape[2]
+                keys = k_buf.index_select(0, key_slots.view(-1)).view(-1, n, hkv, d)
             self.policy.reselect(layer, keys, rb)
         if plan.sparse is not None and sub.sel_idx.shape[2]:
             sel = self.policy.selection(layer, plan.sparse.slots)
             sub.sel_idx.index_copy_(0, plan.sparse.idx, sel)
         if self.impl is None:
             self.impl = default_impl(q, k_buf)
-        return sparse_decode(q, k_buf, v_buf, sub, scale=scale, impl=self.impl, out=out)
+        # The pass's first run checks the subsets against the pool; the others reuse them.
+        check = plan is not self._checked
+        self._checked = plan
+        return sparse_decode(q, k_buf, v_buf, sub, scale=scale, impl=self.impl, out=out,
+                             check=check)
 
     # ------------------------------------------------------------ prefill (SnapKV)
 
@@ -278,7 +287,7 @@ class Decoder:
         out, q_end = [], 0
         for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens,
                                             strict=True)):
-            q_start, q_end = q_end, q_end + e
+            q_end += e
             st = self.policy.states.get(rid)
             if st is not None:
                 self.seen(rid)
@@ -295,10 +304,18 @@ def _ints(xs: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64, device=device)
 
 
-def _key_slots(batch: BatchView, rows: list[int]) -> torch.Tensor:
-    """[R, N] int64 pool slots of the rows' histories, padded with their last slot."""
+def _key_slots(batch: BatchView, rows: list[int]) -> torch.Tensor | slice:
+    """[R, N] int64 pool slots of the rows' histories, padded with their last slot; for
+    one row whose slots are one contiguous run (a fresh prompt's usually are), the
+    slice of the pool instead, so scoring reads the keys in place."""
     dev = batch.rows.device
     seq = _ints([batch.seq_lens[b] for b in rows], dev)
     pool_rows = _ints([batch.pool_rows[b] for b in rows], dev)
+    if len(rows) == 1:
+        slots = batch.req_to_token[pool_rows[0], : seq[0]]
+        first = int(slots[0])
+        if int(slots[-1]) - first == len(slots) - 1 and bool(
+                (slots[1:] - slots[:-1] == 1).all()):
+            return slice(first, first + len(slots))
     pos = torch.arange(int(seq.max()), device=dev)[None, :].minimum(seq[:, None] - 1)
     return batch.req_to_token[pool_rows[:, None], pos].long()

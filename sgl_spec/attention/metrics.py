@@ -17,18 +17,24 @@ _TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 17))
 _DENSITY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
 
 
+def by_path(name: str, documentation: str):
+    """A counter labelled ``path`` with both series ("sparse", "exact") present at 0."""
+    from prometheus_client import Counter
+
+    counter = Counter(name=name, documentation=documentation, labelnames=("path",))
+    for path in ("sparse", "exact"):
+        counter.labels(path=path)
+    return counter
+
+
 class SparseMetrics:
     def __init__(self):
         from prometheus_client import Counter, Gauge, Histogram
 
-        self.decode_steps = Counter(
-            name="sgl_spec:decode_steps",
-            documentation="Request decode steps by attention path: 'sparse' attended "
-            "a KV subset, 'exact' the whole history.",
-            labelnames=("path",),
-        )
-        for path in ("sparse", "exact"):
-            self.decode_steps.labels(path=path)
+        self.decode_steps = by_path(
+            "sgl_spec:decode_steps",
+            "Request decode steps by attention path: 'sparse' attended a KV subset, "
+            "'exact' the whole history.")
         self.reselections = Counter(
             name="sgl_spec:sparse_reselections",
             documentation="Request decode steps that (re)selected the KV subset "
@@ -67,15 +73,11 @@ class PrefillMetrics:
     def __init__(self):
         from prometheus_client import Counter, Histogram
 
-        self.extends = Counter(
-            name="sgl_spec:sparse_prefill_extends",
-            documentation="Request-extends by prefill attention path: 'sparse' "
-            "attended the selected vertical/slash lines, 'exact' everything "
-            "(fewer than --spec-prefill-min-tokens new tokens).",
-            labelnames=("path",),
-        )
-        for path in ("sparse", "exact"):
-            self.extends.labels(path=path)
+        self.extends = by_path(
+            "sgl_spec:sparse_prefill_extends",
+            "Request-extends by prefill attention path: 'sparse' attended the selected "
+            "vertical/slash lines, 'exact' everything (fewer than "
+            "--spec-prefill-min-tokens new tokens).")
         self.density = Histogram(
             name="sgl_spec:sparse_prefill_density",
             documentation="Selected cells / causal cells per sparse request-extend, "

@@ -8,7 +8,16 @@ tie (floating-point sums in another order) or a real difference. Per turn
 (``greedy_agreement``, ``agreement_summary``); ``figures`` is what results.json
 holds per configuration and workload.
 
-Pure functions over plain data (no server, no I/O), unit-tested.
+Pure functions over plain data (no server, no I/O), unit-tested; and one CLI that
+compares two harness runs (before and after a change) row by row::
+
+    python -m sgl_spec.bench.agreement BEFORE_DIR AFTER_DIR --out DIR
+
+It reads each run's ``turns-<row>.json`` (the chat answers and long generations every
+harness generation writes), pairs the rows by name and reports, per row and workload,
+the turns answered identically, the divergences at a near tie (with their margins) and
+the others. A row plays its own answers as history, so after a first divergence later
+turns of that conversation may be sent other prompts (``same_prompts``).
 """
 
 from __future__ import annotations
@@ -168,3 +177,86 @@ def figures(reference: Sequence[TurnResult], candidate: Sequence[TurnResult],
     tokens = [greedy_agreement(r.output_ids, by_key[(r.conversation, r.turn)].output_ids)
               for r in reference]
     return {"counts": counts(compared), "tokens": agreement_summary(tokens), "turns": compared}
+
+
+def load_turns(path: str) -> dict[str, list[TurnResult]]:
+    """A harness ``turns-<row>.json``: workload ("chat", "longgen") -> TurnResults."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    out = {}
+    for workload in ("chat", "longgen"):
+        out[workload] = [TurnResult(**{**t, "output_ids": tuple(t["output_ids"]),
+                                       "top_logprobs": tuple(tuple(map(tuple, p))
+                                                             for p in t["top_logprobs"])})
+                         for t in data.get(workload, [])]
+    return out
+
+
+def compare_runs(before_dir: str, after_dir: str) -> dict:
+    """Per row present in both runs and workload: ``figures(before, after)``."""
+    import glob
+    import os
+
+    rows = {}
+    for path in sorted(glob.glob(os.path.join(before_dir, "turns-*.json"))):
+        name = os.path.basename(path)
+        other = os.path.join(after_dir, name)
+        if not os.path.exists(other):
+            continue
+        before, after = load_turns(path), load_turns(other)
+        rows[name[len("turns-"):-len(".json")]] = {
+            w: figures(before[w], after[w]) for w in before if before[w]}
+    if not rows:
+        raise ValueError(f"no row's turns-*.json is in both {before_dir} and {after_dir}")
+    return rows
+
+
+def _min_margin(div: dict) -> float | None:
+    known = [m for m in (div["reference_margin"], div["candidate_margin"]) if m is not None]
+    return min(known) if known else None
+
+
+def markdown(rows: dict) -> str:
+    from sgl_spec.bench import render
+
+    lines = []
+    for row, per in rows.items():
+        for workload, fig in per.items():
+            c = fig["counts"]
+            divs = [t["divergence"] for t in fig["turns"] if t["divergence"] and t["same_prompt"]]
+            margins = ", ".join(f"{d['position']}: {render.num(_min_margin(d), digits=3)}"
+                                for d in divs) or "-"
+            lines.append([row, workload, str(c["turns"]), str(c["same_prompts"]),
+                          str(c["identical"]), str(c["near_tie_divergences"]),
+                          str(c["other_divergences"]), margins])
+    head = ("Answers before vs after, per row: turns, turns sent the same prompt, "
+            "identical answers, first divergences at a near tie (margin <= "
+            f"{NEAR_TIE_NATS} nats) and others; margins (nats) at each first divergence "
+            "of a same-prompt turn, as position: min(top1 - top2) of the two runs.")
+    return "\n".join([head, "", *render.table(
+        ["row", "workload", "turns", "same prompt", "identical", "near-tie", "other",
+         "divergence margins"], lines)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from sgl_spec.bench import cli
+
+    ap = cli.parser("python -m sgl_spec.bench.agreement", __doc__)
+    ap.add_argument("before", help="a harness run's output directory (before the change)")
+    ap.add_argument("after", help="a harness run's output directory (after the change)")
+    cli.add_common(ap, out_required=False, out_default=None, model_path=False)
+    args = ap.parse_args(argv)
+    try:
+        rows = compare_runs(args.before, args.after)
+    except ValueError as e:
+        ap.error(str(e))
+    md = markdown(rows)
+    if args.out:
+        cli.write_results(args.out, rows, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@
 ``sgl_spec.attention.AttentionCore``: ``init_forward_metadata`` turns the ForwardBatch
 into a ``BatchView`` and builds the pass's plan once (``forward_metadata``); each
 layer writes its K/V into the pool and makes one ``decode`` or ``extend`` call on the
-plan. Exact mode decodes every row with the fused dense kernel (the C++ CPU kernel
+plan (``AttentionCore.run``). Exact mode decodes every row with the fused dense kernel (the C++ CPU kernel
 where it builds); extends attend only the new queries. Layers torch_native handles
 specially (cross-attention, encoder-only, sliding windows, SWA pools) keep its code.
 
@@ -63,9 +63,9 @@ class SpecAttnBackend(TorchNativeAttnBackend):
             return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         k_buf, v_buf = self._write(layer, forward_batch, k, v, save_kv_cache)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        self.core.extend(plan, layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
-                         k_buf, v_buf, o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
-                         layer.scaling)
+        self.core.run(plan, layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                      k_buf, v_buf, o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+                      layer.scaling)
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -75,8 +75,8 @@ class SpecAttnBackend(TorchNativeAttnBackend):
         k_buf, v_buf = self._write(layer, forward_batch, k, v, save_kv_cache)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-        self.core.decode(plan, layer.layer_id, q, k_buf, v_buf,
-                         o.view(-1, layer.tp_q_head_num, layer.v_head_dim), layer.scaling)
+        self.core.run(plan, layer.layer_id, q, k_buf, v_buf,
+                      o.view(-1, layer.tp_q_head_num, layer.v_head_dim), layer.scaling)
         return o
 
 

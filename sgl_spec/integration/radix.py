@@ -60,6 +60,7 @@ class SpecRadixCache(UnifiedRadixCache):
     def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
         self.turn_format = fmt
         self.spec_cfg = cfg
+        self._evicted_lru = 0  # tokens evicted (the compiled core has no per-rule count)
         super().__init__(params)
         # sglang falls back to its Python core where the compiled one cannot serve;
         # that one's nodes are walked directly.
@@ -79,6 +80,16 @@ class SpecRadixCache(UnifiedRadixCache):
             self._update_metrics()
         return result
 
+    def evict(self, params):
+        result = super().evict(params)
+        self._evicted_lru += result.num_tokens_evicted
+        return result
+
+    def evict_for_alloc(self, params, *args, **kwargs):
+        result = super().evict_for_alloc(params, *args, **kwargs)
+        self._evicted_lru += result.num_tokens_evicted
+        return result
+
     def reset(self):
         super().reset()
         if getattr(self, "_slots", None) is not None:
@@ -94,7 +105,7 @@ class SpecRadixCache(UnifiedRadixCache):
         return node_segments(self.tree_core)
 
     def _freed(self) -> dict[str, int]:
-        return getattr(self.tree_core, "freed_by_rule", {"lru": 0})
+        return getattr(self.tree_core, "freed_by_rule", {"lru": self._evicted_lru})
 
     def _update_metrics(self) -> None:
         self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed())

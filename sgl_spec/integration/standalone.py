@@ -24,6 +24,9 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig
 
+__all__ = ["EvictParams", "InsertParams", "MatchPrefixParams", "KINDS", "build_cache",
+           "radix_key", "torch_native_decode"]
+
 KINDS = ("stock", "spec", "tagged")
 
 

@@ -45,19 +45,32 @@ def score_history(
     qg = qg.reshape(rows * hkv, n * g, d).to(mm)
     kh = k.to(mm).permute(0, 2, 3, 1).reshape(rows * hkv, d, big_n)  # one pass over keys
     logits = torch.bmm(qg, kh).view(rows, hkv, n * g, big_n)
-    cols = torch.arange(big_n, device=k.device)
-    hide = None
+    # Only columns after the earliest query, or past the shortest row, can be hidden
+    # from some query: mask that tail alone (LoopServe's ring: the last n_d columns).
+    unused = None
+    start = big_n
     if q_pos is not None:
-        hide = cols[None, None, :] > q_pos.to(k.device)[:, :, None]  # [R, n, N] future
+        q_pos = q_pos.to(k.device)
+        used = q_pos >= 0
+        if not bool(used.all()):
+            unused = ~used
+        if bool(used.any()):
+            start = min(start, int(q_pos[used].min()) + 1)
     if k_len is not None:
-        pad = (cols[None, :] >= k_len.to(k.device)[:, None])[:, None, :]  # [R, 1, N]
-        hide = pad if hide is None else hide | pad
-    if hide is not None:
-        logits.masked_fill_(hide.repeat_interleave(g, dim=1)[:, None], float("-inf"))
+        k_len = k_len.to(k.device)
+        start = min(start, int(k_len.min()))
+    if start < big_n:
+        cols = torch.arange(start, big_n, device=k.device)
+        hide = torch.zeros(rows, n, big_n - start, dtype=torch.bool, device=k.device)
+        if q_pos is not None:
+            hide |= cols[None, None, :] > q_pos[:, :, None]  # a query's future
+        if k_len is not None:
+            hide |= (cols[None, :] >= k_len[:, None])[:, None, :]  # padding
+        logits[..., start:].masked_fill_(hide.repeat_interleave(g, dim=1)[:, None],
+                                         float("-inf"))
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if q_pos is not None:  # unfilled queries: every column hidden, softmax NaN
-        unused = (q_pos < 0).to(k.device).repeat_interleave(g, dim=1)  # [R, n * G]
-        probs = probs.masked_fill(unused[:, None, :, None], 0.0)
+    if unused is not None:  # unfilled ring entries: their rows add nothing
+        probs.masked_fill_(unused.repeat_interleave(g, dim=1)[:, None, :, None], 0.0)
     return probs.sum(dim=2)
 
 

@@ -135,20 +135,9 @@ void run(const float* q, const Pools& kv, const Subsets& ix, int64_t B, int64_t 
       for (int g = 0; g < G; ++g) {
         float* sg = s.data() + g * CHUNK;
         for (int64_t j = m; j < mp; ++j) sg[j] = NEG_INF;
-        vf mx = splat(NEG_INF);
-        for (int64_t t0 = 0; t0 < mp; t0 += W) {
-          const vf x = ld(sg + t0);
-          mx = x > mx ? x : mx;
-        }
-        const float base = hmax(mx);
-        vf sum = splat(0.f);
-        for (int64_t t0 = 0; t0 < mp; t0 += W) {
-          const vf e = exp_nonpos(ld(sg + t0) - base);
-          st(sg + t0, e);
-          sum += e;
-        }
-        im[g] = base;
-        il[g] = hsum(sum);
+        const RowExp e = exp_row(sg, mp);
+        im[g] = e.base;
+        il[g] = e.sum;
       }
       vf o[G][U];
       for (int g = 0; g < G; ++g)

@@ -28,63 +28,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
+
+#include "vec16.h"
 
 namespace {
 
-constexpr int W = 16;  // fp32 lanes per vector
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-
-inline vf splat(float x) { return vf{} + x; }
-inline vf ld(const float* p) { vf r; std::memcpy(&r, p, sizeof(r)); return r; }
-inline void st(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
-
-// e^x lane-wise for x <= 0 (scores minus their row max): 2^(x log2 e), a degree-6
-// polynomial on the fraction (relative error < 3e-7); exactly 0 below -87.
-inline vf exp_nonpos(vf x) {
-  const vi zero = !(x >= -87.0f);
-  x = zero ? splat(0.f) : x;
-  const vf t = x * 1.44269504088896341f;
-  vf fi;
-  for (int l = 0; l < W; ++l) fi[l] = __builtin_floorf(t[l]);
-  const vf f = t - fi;
-  vf p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const vi bits = (__builtin_convertvector(fi, vi) + 127) << 23;
-  vf s;
-  std::memcpy(&s, &bits, sizeof(s));
-  return zero ? splat(0.f) : p * s;
-}
-
-// Sums of 16 vectors, one per lane: a four-level fold, each level halving every
-// vector's live lanes and merging two vectors into one; lanes come out bit-reversed.
-inline vf fold(vf x, vf y, vi lo, vi hi) {
-  return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-inline vf reduce16(const vf* a) {
-  const vi l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const vi l2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const vi h2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  const vi l3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const vi h3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  const vi l4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const vi h4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const vi rev = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  vf b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], l1, h1);
-  for (int i = 0; i < 4; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], l2, h2);
-  for (int i = 0; i < 2; ++i) d[i] = fold(c[2 * i], c[2 * i + 1], l3, h3);
-  return __builtin_shuffle(fold(d[0], d[1], l4, h4), rev);
-}
+using namespace sgl_spec_vec;
 
 // q [LG, R, D] fp32 scaled; k, v [K, D] (row stride D); owned [K] (1: skip the
 // column); slash [m] sorted ascending; tail [nt] sorted columns. out [LG, R, D],
@@ -138,23 +88,9 @@ void run(const float* q, const float* k, const float* v, const uint8_t* owned,
       for (int h = 0; h < LG; ++h) {
         float* sh = s.data() + h * mp;
         for (int64_t i = c; i < cp; ++i) sh[i] = NEG_INF;
-        vf mx = splat(NEG_INF);
-        for (int64_t j0 = 0; j0 < cp; j0 += W) {
-          const vf x = ld(sh + j0);
-          mx = x > mx ? x : mx;
-        }
-        float b = mx[0];
-        for (int l = 1; l < W; ++l) b = mx[l] > b ? mx[l] : b;
-        vf acc = splat(0.f);
-        for (int64_t j0 = 0; j0 < cp; j0 += W) {
-          const vf e = exp_nonpos(ld(sh + j0) - b);
-          st(sh + j0, e);
-          acc += e;
-        }
-        float t = 0.f;
-        for (int l = 0; l < W; ++l) t += acc[l];
-        sum[h] = t;
-        base[h] = b;
+        const RowExp e = exp_row(sh, cp);
+        sum[h] = e.sum;
+        base[h] = e.base;
       }
       vf o[LG][U];
       for (int h = 0; h < LG; ++h)

@@ -28,68 +28,37 @@ from typing import Callable
 _Hook = Callable[[object], None]
 
 
-def _before_torchvision(_module) -> None:
-    from .torchvision_ops import ensure_ops
+def _lazy(target: str) -> _Hook:
+    """A hook calling ``module:function`` with the hooked module, imported when it runs
+    (so the finder itself stays cheap)."""
+    module_name, fn_name = target.split(":")
 
-    ensure_ops()
+    def hook(module) -> None:
+        getattr(importlib.import_module(module_name), fn_name)(module)
 
-
-def _after_pool_host_common(module) -> None:
-    from .hicache import patch_pool_host_common
-
-    patch_pool_host_common(module)
-
-
-def _after_pool_host_base(module) -> None:
-    from .hicache import patch_pool_host_base
-
-    patch_pool_host_base(module)
+    hook.__name__ = fn_name
+    return hook
 
 
-def _after_pool_host_mha(module) -> None:
-    from .hicache import patch_pool_host_mha
-
-    patch_pool_host_mha(module)
-
-
-def _after_cache_controller(module) -> None:
-    from .hicache import patch_cache_controller
-
-    patch_cache_controller(module)
-
-
-def _after_resolution_hooks(module) -> None:
-    from .hicache import register_cpu_hicache_defaults
-
-    register_cpu_hicache_defaults(module)
-
-
-def _after_chat_template(module) -> None:
-    from sgl_spec.chat_templates import register_frontend_matchers
-
-    register_frontend_matchers(module)
-
-
-def _after_internal_state(module) -> None:
-    from sgl_spec.integration.endpoint import patch_internal_state
-
-    patch_internal_state(module)
-
-
-# Hooks active on every host.
+# Hooks active on every host: hooked module -> "patching module:function".
 BEFORE: dict[str, _Hook] = {}
 AFTER: dict[str, _Hook] = {
-    "sglang.lang.chat_template": _after_chat_template,
-    "sglang.srt.managers.scheduler_components.internal_state": _after_internal_state,
+    "sglang.lang.chat_template": _lazy("sgl_spec.chat_templates:register_frontend_matchers"),
+    "sglang.srt.managers.scheduler_components.internal_state":
+        _lazy("sgl_spec.integration.endpoint:patch_internal_state"),
 }
 # Hooks active only on hosts without CUDA.
-_CPU_BEFORE: dict[str, _Hook] = {"torchvision": _before_torchvision}
+_HICACHE = "sgl_spec.integration.cpu.hicache"
+_CPU_BEFORE: dict[str, _Hook] = {
+    "torchvision": _lazy("sgl_spec.integration.cpu.torchvision_ops:ensure_ops"),
+}
 _CPU_AFTER: dict[str, _Hook] = {
-    "sglang.srt.mem_cache.pool_host.common": _after_pool_host_common,
-    "sglang.srt.mem_cache.pool_host.base": _after_pool_host_base,
-    "sglang.srt.mem_cache.pool_host.mha": _after_pool_host_mha,
-    "sglang.srt.managers.cache_controller": _after_cache_controller,
-    "sglang.srt.arg_groups.resolution_hooks": _after_resolution_hooks,
+    "sglang.srt.mem_cache.pool_host.common": _lazy(f"{_HICACHE}:patch_pool_host_common"),
+    "sglang.srt.mem_cache.pool_host.base": _lazy(f"{_HICACHE}:patch_pool_host_base"),
+    "sglang.srt.mem_cache.pool_host.mha": _lazy(f"{_HICACHE}:patch_pool_host_mha"),
+    "sglang.srt.managers.cache_controller": _lazy(f"{_HICACHE}:patch_cache_controller"),
+    "sglang.srt.arg_groups.resolution_hooks":
+        _lazy(f"{_HICACHE}:register_cpu_hicache_defaults"),
 }
 SHIM_NAME = "sgl_kernel"
 _shim_enabled = False

@@ -38,7 +38,7 @@ def _extension_loads() -> bool:
     return False
 
 
-def ensure_ops() -> None:
+def ensure_ops(_module=None) -> None:
     """Define the ops torchvision's meta registrations need, if ``_C`` can't."""
     global _library
     if _library is not None:
