@@ -48,8 +48,9 @@ def _core():
 @pytest.mark.parametrize(
     "prefix_lens, new_lens",
     [([0], [17]), ([0, 0, 0], [5, 33, 1]), ([12], [7]), ([40, 0, 3], [1, 9, 20]),
-     ([64], [1])],
-    ids=["one-no-prefix", "batch-no-prefix", "prefix", "ragged-mixed", "prefix-one-token"],
+     ([64], [1]), ([100, 0, 30], [300, 260, 5])],
+    ids=["one-no-prefix", "batch-no-prefix", "prefix", "ragged-mixed", "prefix-one-token",
+         "long-over-prefix"],
 )
 def test_extend_matches_torch_native(prefix_lens, new_lens, dtype):
     seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
@@ -113,6 +114,31 @@ def test_layers_torch_native_handles_keep_its_code():
     assert not backend._own(layer(sliding_window_size=4))
     backend.use_sliding_window_kv_pool = True
     assert not backend._own(layer())
+
+
+def test_long_extend_over_a_prefix_runs_the_fused_split(monkeypatch):
+    """From SPLIT_MIN_QUERIES new queries over a prefix the CPU runs the two fused
+    parts, not the masked call; shorter extends and fresh prompts keep the one call."""
+    from sgl_spec.attention import extend
+
+    calls = []
+    split = extend.dense_attention_torch
+    monkeypatch.setattr(extend, "dense_attention_torch",
+                        lambda q, *a: calls.append(q.shape[0]) or split(q, *a))
+    gen = torch.Generator().manual_seed(3)
+    n = extend.SPLIT_MIN_QUERIES
+    for prefix, new in ((40, n), (40, n - 1), (0, n)):
+        q = torch.randn(new, HEADS, DIM, generator=gen)
+        k = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen)
+        got = extend.exact_extend(q, k, v, prefix, 0.25)
+        mask = offset_causal_mask(prefix, new, q.device)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.movedim(0, 1)[None].double(), k.movedim(0, 1)[None].double(),
+            v.movedim(0, 1)[None].double(), attn_mask=mask, scale=0.25,
+            enable_gqa=True)[0].movedim(1, 0)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert calls == [n]
 
 
 def test_offset_causal_mask():

@@ -14,7 +14,7 @@ def test_crossover_bench_times_every_path_on_the_same_extend():
     is timed, the baseline (exact mode's masked call) and the fused split agree, and
     the serving path's figure is reported."""
     from sgl_spec.bench.vslash import break_even, crossover, dense_sdpa
-    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+    from sgl_spec.kernels.dense import dense_attention_torch
 
     g = torch.Generator().manual_seed(3)
     hist, n = 48, 80

@@ -459,7 +459,7 @@ def test_select_config_validation(kwargs, match):
 @pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv"])
 def test_dense_attention_torch_is_causal_attention(shape, dtype):
     """The fused history + causal split that too-dense layers run equals the dense lines."""
-    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+    from sgl_spec.kernels.dense import dense_attention_torch
 
     n, hist, hq, hkv, d = SHAPES[shape]
     dt = DTYPES[dtype]

@@ -49,13 +49,13 @@ import warnings
 import torch
 from torch.nn.functional import embedding_bag
 
+from ..dense import NEG_INF, fused_attention, merge_partials
 from . import cpu_kernel
 from .lines import LineSet, check_inputs, line_bitmaps
 
 FAR_CELL_COST = 4.0  # SDDMM far-slash cell / fused rectangle cell, measured on CPU
 WIDTHS = (64, 128, 256, 512, 1024)  # rectangle widths W tried (plus the local run)
 SUB_ROWS = 64  # rows per near-part rectangle (r + W - 1 columns: r=64 measured best)
-NEG_INF = float("-inf")
 
 
 def _sddmm(
@@ -99,52 +99,6 @@ def near_width(slash: torch.Tensor, num_keys: int, sub_rows: int = SUB_ROWS) -> 
         if cost < best_cost:
             best_w, best_cost = w, cost
     return best_w
-
-
-def fused_attention(
-    q: torch.Tensor,  # [B, lg, r, D]
-    k: torch.Tensor,  # [B, C, D] one KV head, shared by the lg query heads
-    v: torch.Tensor,  # [B, C, D]
-    mask: torch.Tensor | None,  # [B, r, C] additive 0/-inf, or None (every cell)
-    scale: float,
-    is_causal: bool = False,  # row i sees columns <= i (r == C, no mask)
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, lg, r, D], lse [B, lg, r] fp32
-    """Attention of each batch item over its columns, and its row log-sum-exp.
-
-    A row whose cells are all masked has an undefined lse: callers mask it.
-    """
-    b, lg = q.shape[:2]
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
-        kk = k[:, None].expand(b, lg, -1, -1)
-        vv = v[:, None].expand(b, lg, -1, -1)
-        m = None if mask is None else mask.to(q.dtype)[:, None]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kk, vv, is_causal=is_causal, attn_mask=m, scale=scale
-        )
-        return out, lse.float()
-    s = torch.einsum("bhrd,bcd->bhrc", q.float(), k.float()) * scale
-    if is_causal:
-        r, c = s.shape[-2:]
-        s = s.masked_fill(torch.ones(r, c, dtype=torch.bool, device=s.device).triu(1), NEG_INF)
-    if mask is not None:
-        s = s + mask.float()[:, None]
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    return torch.einsum("bhrc,bcd->bhrd", p, v.float()), lse
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine partial softmax attentions ``(out [lg,R,D], lse [lg,R])``; empty rows -> 0."""
-    lse = parts[0][1]
-    for _, l in parts[1:]:
-        lse = torch.logaddexp(lse, l)
-    empty = torch.isinf(lse)
-    lse_safe = lse.masked_fill(empty, 0.0)
-    res = None
-    for o, l in parts:
-        term = o.float() * torch.exp(l - lse_safe)[..., None]
-        res = term if res is None else res.add_(term)
-    return res.masked_fill_(empty[..., None], 0.0)
 
 
 def _windows(x: torch.Tensor, first: int, count: int, step: int, width: int) -> torch.Tensor:
@@ -299,7 +253,7 @@ def vslash_attention_torch(
                     [embedding_bag(idx, vf, per_sample_weights=p_f[h], mode="sum") for h in range(lg)]
                 )
                 parts.append((o_f, lse_f))
-            out[r0:r1, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
+            out[r0:r1, heads] = merge_partials(parts).transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -330,42 +284,6 @@ def _two_parts(q, k, v, lines, lh, lg, group, history_len, scale, chunk, out):
         if ns or tail.numel():
             parts.append(cpu_kernel.slash_attention(qb, inputs, slash[:ns], tail, p0, scale))
         if parts:
-            out[r0:r1, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
+            out[r0:r1, heads] = merge_partials(parts).transpose(0, 1).to(out.dtype)
         else:  # no selected cell in any row of the block
             out[r0:r1, heads] = 0
-
-
-def dense_attention_torch(
-    q: torch.Tensor,  # [n, Hq, D]
-    k: torch.Tensor,  # [N+n, Hkv, D]
-    v: torch.Tensor,  # [N+n, Hkv, D]
-    history_len: int,
-    scale: float | None = None,  # default 1/sqrt(D)
-) -> torch.Tensor:  # [n, Hq, D], q.dtype
-    """Exact causal attention of an extend through the fused kernel, no mask tensor.
-
-    The history columns are causal for every new query (one unmasked call) and the
-    new columns are a square causal block (one ``is_causal`` call); the two merge by
-    their log-sum-exps. A dense SDPA call over the whole ``[n, N+n]`` needs an offset
-    causal mask, which sends SDPA on a CPU to its unfused path (what an exact
-    backend must call to stay bit-identical to stock); a layer the sparse prefill
-    finds too dense to sparsify runs this instead.
-    """
-    dims = check_inputs(q, k, v, None, history_len)
-    scale = dims.head_dim**-0.5 if scale is None else scale
-    g = dims.group
-    out = torch.empty_like(q)
-    for kvh in range(dims.num_kv_heads):
-        heads = slice(kvh * g, (kvh + 1) * g)
-        qh = q[:, heads].transpose(0, 1)[None]  # [1, g, n, D]
-        kh, vh = k[:, kvh], v[:, kvh]
-        parts = []
-        if history_len:
-            o, lse = fused_attention(qh, kh[None, :history_len], vh[None, :history_len],
-                                     None, scale)
-            parts.append((o[0], lse[0]))
-        o, lse = fused_attention(qh, kh[None, history_len:], vh[None, history_len:],
-                                 None, scale, is_causal=True)
-        parts.append((o[0], lse[0]))
-        out[:, heads] = _merge(parts).transpose(0, 1).to(out.dtype)
-    return out

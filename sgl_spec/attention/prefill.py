@@ -36,7 +36,6 @@ import torch
 
 from sgl_spec.config import PrefillConfig
 from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines, vslash_attention
-from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
 from sgl_spec.requests import HUB, Lines, RequestHub
 
 from .batch import BatchView
@@ -51,16 +50,6 @@ logger = logging.getLogger(__name__)
 # with 0.6 / 0.4 the harness lost two of 18 questions at the beginning at every alpha:
 # the layers selecting 0.2-0.6 of their cells are the diffuse ones (docs/sparse-prefill.md).
 REPROBE_EVERY = 8
-
-
-def _dense(q, k, v, history_len: int, scale, exact: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """A too-dense layer's attention: exact mode's call for a fresh prompt (SDPA with
-    ``is_causal``, already the fused kernel); over a cached prefix, the fused
-    history + causal split (``dense_attention_torch``), since exact mode's call
-    then needs an offset causal mask and runs SDPA's unfused path on a CPU."""
-    if history_len == 0 or q.device.type != "cpu":
-        return exact()
-    return dense_attention_torch(q, k, v, history_len, scale)
 
 
 class Metrics(Protocol):
@@ -171,7 +160,7 @@ class SparsePrefill:
             # Too dense last time: skip the selection, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
             st.dense += 1
-            out = _dense(q, k, v, history_len, scale, exact)
+            out = exact()
             self._maybe_finish(turn, layer)
             return out
         seeds = turn.seeds.get(layer) if turn.seeds else None
@@ -183,7 +172,7 @@ class SparsePrefill:
         self._over[layer] = over + 1 if skip else 0
         if exact is not None and dens > self.cfg.max_density:
             st.dense += 1
-            out = _dense(q, k, v, history_len, scale, exact)
+            out = exact()
         else:
             out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
         t2 = time.perf_counter()

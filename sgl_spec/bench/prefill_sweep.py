@@ -1,4 +1,4 @@
-"""Time to first token against new-turn length: sgl_spec exact vs LoopServe sparse prefill.
+"""Time to first token against new-turn length: stock sglang, sgl_spec exact, LoopServe prefill.
 
     python -m sgl_spec.bench.prefill_sweep --out results/prefill-sweep [--quick]
 
@@ -8,14 +8,16 @@ N (``SweepPlan.lengths``; the first is below ``--spec-prefill-min-tokens``, a ch
 that short turns cost the same): flush the cache, then send ``repeats`` fresh prompts of exactly N corpus
 tokens (a different text per repeat, so nothing is cached) with
 ``max_new_tokens=1``; TTFT is the request latency. Medians over repeats; ratios
-against ``sgl_spec exact`` measured in the same run. Writes ``results.json``,
-``results.md`` and ``prefill_ttft.png``.
+against ``stock`` (sglang's own server) and against ``sgl_spec exact`` (what the
+lines save over sgl_spec's dense path), both measured in the same run and always
+run whatever ``--rows`` says. Writes ``results.json``, ``results.md`` and
+``prefill_ttft.png`` (the ratios against stock).
 
 ``--rounds R`` starts every row's server R times, interleaved (all rows, then all
 rows again): a server process can run a few percent faster or slower than the
 next one of the same code, so a single start per row cannot resolve a 5 %
 difference. A point's TTFT is then the median of the requests of all its rounds.
-``--rows`` times a subset (by slug; the reference is always kept).
+``--rows`` times a subset (by slug; the two baselines are always kept).
 
 ``--history H``: each prompt is instead a new turn of N tokens after H tokens of
 conversation already in the radix cache (the chat a user pastes a document into):
@@ -40,8 +42,11 @@ from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.render import num, spread_cell, table
 from sgl_spec.bench.server import flush_cache
 
+STOCK = "stock"
 REFERENCE = "sgl_spec exact"
+BASELINES: tuple[str, ...] = (STOCK, REFERENCE)  # always run; ratios against each
 CONFIGS: tuple[ServerConfig, ...] = (
+    ServerConfig(STOCK, "stock"),
     ServerConfig(REFERENCE, "sgl_spec", ("--spec-prefill", "exact")),
     ServerConfig("loopserve-prefill a=0.955", "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.955")),
@@ -100,8 +105,8 @@ class SweepPlan:
 
 
 def select_rows(slugs: list[str] | None) -> tuple[ServerConfig, ...]:
-    """``CONFIGS`` whose slug is listed (all if None), the reference always kept."""
-    return sweep.select_rows(CONFIGS, slugs, (REFERENCE,))
+    """``CONFIGS`` whose slug is listed (all if None), the baselines always kept."""
+    return sweep.select_rows(CONFIGS, slugs, BASELINES)
 
 
 def pool_rounds(runs: list[dict]) -> dict:
@@ -192,7 +197,7 @@ def run_config(cfg: ServerConfig, model: str, prompts: dict, plan: SweepPlan, ou
     return record
 
 
-def ratios(configs: list[dict], reference: str = REFERENCE) -> dict[str, dict[str, float]]:
+def ratios(configs: list[dict], reference: str) -> dict[str, dict[str, float]]:
     """TTFT of each configuration / the reference's, per length."""
     by = {c["name"]: c["points"] for c in configs}
     if reference not in by:
@@ -223,28 +228,29 @@ def markdown(res: dict) -> str:
     what = f"a new turn over {hist} cached tokens" if hist else "a fresh prompt"
     lines = [f"# TTFT of {what} vs its length (median, seconds)", "",
              *_length_table(lengths, {c["name"]: c["points"] for c in configs}, _ttft_cell),
-             "", "`*`: sparse request-extends counted at that point.", "",
-             f"## TTFT ratio vs {REFERENCE}", "",
-             *_length_table(lengths, res["ratios"], lambda r: num(r)), ""]
+             "", "`*`: sparse request-extends counted at that point.", ""]
     spreads = res.get("round_ratios") or {}
-    if res["plan"].get("rounds", 1) > 1 and spreads:
-        lines += ["## Ratio per round (each round's median vs the reference's same round)",
-                  "", "min / median / max over the rounds.", "",
-                  *_length_table(lengths, spreads, spread_cell), ""]
+    for base, per_row in (res.get("ratios") or {}).items():
+        lines += [f"## TTFT ratio vs {base}", "",
+                  *_length_table(lengths, per_row, lambda r: num(r)), ""]
+        if res["plan"].get("rounds", 1) > 1 and spreads.get(base):
+            lines += [f"Per round (each round's median vs {base}'s same round), "
+                      "min / median / max:", "",
+                      *_length_table(lengths, spreads[base], spread_cell), ""]
     return "\n".join(lines)
 
 
 def plot(res: dict, path: str) -> str:
     plt = plots.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in res["ratios"].items():
+    for name, r in res["ratios"].get(STOCK, {}).items():
         xs = sorted(int(n) for n in r)
         ax.plot(xs, [r[str(x)] for x in xs], marker="o", label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     hist = res["plan"].get("history", 0)
     xlabel = (f"new-turn tokens (over {hist} cached)" if hist
               else "prompt tokens (fresh, uncached)")
-    ax.set(xlabel=xlabel, ylabel=f"TTFT / {REFERENCE}",
+    ax.set(xlabel=xlabel, ylabel=f"TTFT / {STOCK}",
            title="Sparse prefill: TTFT ratio")
     plots.finish_axes(ax, ylim_zero=False)
     return plots.save(fig, path)
@@ -253,8 +259,10 @@ def plot(res: dict, path: str) -> str:
 def results(meta: dict, plan: SweepPlan, runs: dict[str, list[dict]]) -> dict:
     """results.json of a sweep: every row's rounds pooled, ratios and their spread."""
     configs = [pool_rounds(r) for r in runs.values()]
-    return {"meta": meta, "plan": asdict(plan), "configs": configs, "ratios": ratios(configs),
-            "round_ratios": sweep.start_ratios(configs, REFERENCE, "round_medians_s")}
+    return {"meta": meta, "plan": asdict(plan), "configs": configs,
+            "ratios": {b: ratios(configs, b) for b in BASELINES},
+            "round_ratios": {b: sweep.start_ratios(configs, b, "round_medians_s")
+                             for b in BASELINES}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--history", type=int, default=0, metavar="H",
                     help="time a new turn after H cached conversation tokens (default 0: "
                          "a fresh prompt)")
-    sweep.add_rows(ap, CONFIGS, (REFERENCE,))
+    sweep.add_rows(ap, CONFIGS, BASELINES)
     args = ap.parse_args(argv)
     try:
         plan = SweepPlan.preset(args.quick, args.repeats, args.lengths, args.history,

@@ -17,9 +17,10 @@ Real-model inputs (``--qk FILE``, written by ``python -m sgl_spec.bench.prefill_
     python -m sgl_spec.bench.vslash --qk FILE --reuse
 
 ``--crossover``: per new-token count n, an extend of the first n tokens after
-``--history`` cached ones, summed over ``--layers``: dense SDPA (the exact backend's
-call), the fused history + causal split (``dense_attention_torch``, what a too-dense
-layer runs over a prefix), ``select_lines`` + ``vslash_attention`` (the sparse
+``--history`` cached ones, summed over ``--layers``: one dense SDPA call (with an
+offset causal mask over a prefix), the fused history + causal split
+(``dense_attention_torch``, what exact mode runs over a prefix from
+``SPLIT_MIN_QUERIES`` new queries on, so a too-dense layer too), ``select_lines`` + ``vslash_attention`` (the sparse
 prefill's calls) and the serving path itself (``SparsePrefill.extend``);
 the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s default.
 ``--reuse``: the chat's second turn selected with and without the first turn's
@@ -81,7 +82,8 @@ def random_lines(
 
 
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: int) -> torch.Tensor:
-    """The exact backend's call: ``is_causal`` without a prefix, an offset mask with one."""
+    """One SDPA call: ``is_causal`` without a prefix, an offset causal mask with one
+    (exact mode's call for short extends, ``sgl_spec.attention.extend``)."""
     n = q.shape[0]
     mask = None
     if history_len:
@@ -101,18 +103,19 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
 
     ``serving_s`` times the serving path itself (``SparsePrefill.extend``, a first
     extend, no stored lines): every layer selects; a layer denser than
-    ``max_density`` then runs the dense path (exact mode's call on a fresh prompt,
-    ``dense_attention_torch`` over a prefix) instead of the line kernel.
+    ``max_density`` then runs the dense path (exact mode's call, ``exact_extend``)
+    instead of the line kernel.
     ``steady_s`` times the same extend again on the same instance: a layer that
     came out denser than ``skip_density`` skips its selection and makes the dense
     call (the state a server reaches after its first long extend). ``split_s`` is
     ``dense_attention_torch`` alone. ``per_layer`` keeps each layer's figures,
     ``fallback_s`` among them: the dense path a layer falls back to.
     """
+    from sgl_spec.attention.extend import exact_extend
     from sgl_spec.attention.prefill import SparsePrefill, Turn
     from sgl_spec.config import PrefillConfig
     from sgl_spec.requests import RequestHub
-    from sgl_spec.kernels.vslash.torch_impl import dense_attention_torch
+    from sgl_spec.kernels.dense import dense_attention_torch
 
     cfg = SelectConfig(alpha=alpha)
     rows = []
@@ -137,7 +140,7 @@ def crossover(layers: list[dict], ns: list[int], history: int, alpha: float,
 
             def serve(sp: SparsePrefill) -> None:
                 sp.extend(Turn("bench", history + n, None, False), i, q, k, v, history, None,
-                          exact=lambda: dense_sdpa(q, k, v, history))
+                          exact=lambda: exact_extend(q, k, v, history, None))
 
             srv = median_s(lambda: serve(prefill()), repeats)  # fresh: no state
             warm = prefill()
