@@ -14,8 +14,11 @@ different sglang factories, so they meet here:
   ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
 
 Not thread-safe: the scheduler thread makes every call. Nothing outlives a release;
-seeds are also dropped once read, and at most ``MAX_SEEDS`` are kept (a request
-matched in the queue and aborted there is never released).
+seeds are also dropped once read. At most ``MAX_KEPT`` offers and as many seeds are
+kept, oldest dropped first: a request matched in the queue and aborted there is never
+released, and offered lines have no taker where the cache is not sgl_spec's tagged
+tree (``--disable-radix-cache``, another ``--radix-cache-backend``) or where sglang
+keeps a streaming session's row without releasing it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-MAX_SEEDS = 4096
+MAX_KEPT = 4096  # offers, and seeds, kept at most (oldest dropped)
 
 
 class Lines(NamedTuple):
@@ -37,7 +40,7 @@ class Lines(NamedTuple):
 class RequestHub:
     def __init__(self):
         self._listeners: list[Callable[[str], None]] = []
-        self._offered: dict[str, Lines] = {}
+        self._offered: OrderedDict[str, Lines] = OrderedDict()
         self._seeds: OrderedDict[str, Lines] = OrderedDict()
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
@@ -56,7 +59,7 @@ class RequestHub:
             fn(rid)
 
     def offer_lines(self, rid: str, lines: Lines) -> None:
-        self._offered[rid] = lines
+        _put(self._offered, rid, lines)
 
     def take_lines(self, rid: str, up_to: int) -> Lines | None:
         """The offered lines of ``rid`` if the tree now holds their tokens (end <= up_to)."""
@@ -69,9 +72,7 @@ class RequestHub:
     def set_seeds(self, rid: str, lines: Lines | None) -> None:
         self._seeds.pop(rid, None)
         if lines is not None:
-            self._seeds[rid] = lines
-            if len(self._seeds) > MAX_SEEDS:
-                self._seeds.popitem(last=False)
+            _put(self._seeds, rid, lines)
 
     def seeds(self, rid: str, prefix_len: int) -> Lines | None:
         """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens (read once)."""
@@ -81,6 +82,14 @@ class RequestHub:
     def __len__(self) -> int:
         """Requests with offered lines or seeds (0 once all are released)."""
         return len(self._offered.keys() | self._seeds.keys())
+
+
+def _put(kept: OrderedDict[str, Lines], rid: str, lines: Lines) -> None:
+    """Newest last; the oldest entry goes past ``MAX_KEPT``."""
+    kept.pop(rid, None)
+    kept[rid] = lines
+    if len(kept) > MAX_KEPT:
+        kept.popitem(last=False)
 
 
 HUB = RequestHub()

@@ -10,7 +10,7 @@ import requests
 
 # The largest top1-top2 logprob gap at which a greedy flip counts as a near tie (two
 # bf16 ulps); the benchmarks' agreement figures use the same threshold.
-from sgl_spec.bench.agreement import NEAR_TIE_NATS
+from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 
 pytestmark = pytest.mark.server
 
@@ -65,7 +65,7 @@ def assert_same_greedy(stock_url: str, prompt: str, stock: dict, spec: dict) -> 
     a, b = stock["output_ids"], spec["output_ids"]
     if a == b:
         return
-    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    j = first_divergence(a, b)
     margin = top2_margin(stock_url, prompt, a[:j])
     assert margin <= NEAR_TIE_NATS, (
         f"outputs diverge at token {j} with top-2 margin {margin:.3f} nats "

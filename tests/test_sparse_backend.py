@@ -292,7 +292,7 @@ def test_snapkv_scores_the_final_chunk_and_decodes_its_selection():
     assert not plan.extend.scored and "r" not in core.decoder.policy.states
     pool.append(0, 30), pool.append(1, 12)
     plan = core.plan(view(pool, ["r", "s"], [0, 1], "extend", [30, 12]))
-    assert [r.rid for r in plan.extend.scored] == ["r"]
+    assert [r.rid for r in plan.extend.scored.values()] == ["r"]
     q = torch.randn(42, hq, d, generator=pool.gen)  # the pass's queries: 30 of r, 12 of s
     twin.start("r", 90)
     for layer in range(SHAPE.num_layers):

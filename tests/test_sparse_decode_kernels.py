@@ -28,6 +28,7 @@ if not CUDA:
 from sgl_spec.kernels.sparse_decode import (  # noqa: E402
     IMPLS,
     DecodeSubsets,
+    default_impl,
     dense_subsets,
     sparse_decode,
 )
@@ -282,6 +283,22 @@ def test_writes_out(impl):
     assert res is out and rel_err(out, reference(batch)) <= 1e-3
 
 
+@pytest.mark.parametrize("impl", ["torch", None])
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_value_head_dim_may_differ(impl, check):
+    """Dv != D: the unchecked later layers size by V's width too, and the default impl
+    is the torch one (the C++ kernel takes Dv == D only)."""
+    batch = make_batch(CASES[2], torch.float32)
+    v_buf = torch.randn(*batch.v_buf.shape[:2], 48, generator=torch.Generator().manual_seed(7))
+    sub = batch.subsets()
+    want = sparse_decode_reference(batch.q, batch.k_buf, v_buf, sub, scale=batch.scale)
+    out = torch.empty(*batch.q.shape[:2], 48)
+    got = sparse_decode(batch.q, batch.k_buf, v_buf, sub, scale=batch.scale, impl=impl,
+                        out=out, check=check)
+    assert got.shape == (*batch.q.shape[:2], 48) and rel_err(got, want) <= 1e-3
+    assert default_impl(batch.q, batch.k_buf, v_buf) == "torch"
+
+
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES[:5], ids=str)
@@ -299,15 +316,13 @@ def test_dense_subsets_are_dense_attention(impl, case, dtype):
 def test_cpu_kernel_builds_and_is_the_default():
     """The C++ kernel builds here (g++ and ninja, pyproject's ``ninja``) and
     ``impl=None`` takes it for the shapes it is instantiated for."""
-    from sgl_spec.kernels.sparse_decode import default_impl
-
     assert cpu_impl.load_kernel() is not None
     batch = make_batch(CASES[2], torch.bfloat16)
-    assert default_impl(batch.q, batch.k_buf) == "cpu"
+    assert default_impl(batch.q, batch.k_buf, batch.v_buf) == "cpu"
     odd = torch.zeros(1, 2, 48)  # head_dim 48: not instantiated
-    assert default_impl(odd, torch.zeros(4, 1, 48)) == "torch"
+    assert default_impl(odd, torch.zeros(4, 1, 48), torch.zeros(4, 1, 48)) == "torch"
     nine = torch.zeros(1, 9, 64)  # 9 query heads per KV head
-    assert default_impl(nine, torch.zeros(4, 1, 64)) == "torch"
+    assert default_impl(nine, torch.zeros(4, 1, 64), torch.zeros(4, 1, 64)) == "torch"
     with pytest.raises(ValueError, match="valid impls otherwise: torch"):
         sparse_decode(odd, torch.zeros(4, 1, 48), torch.zeros(4, 1, 48),
                       dense_subsets(torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1).long(),

@@ -204,14 +204,19 @@ def test_lines_are_offered_after_the_last_layer_and_seed_the_next_turn():
     assert no_reuse.stats.layers[0].seeded == 0 and hub.take_lines("b", 70) is None
 
 
-def test_seeds_are_bounded(monkeypatch):
+def test_seeds_and_offers_are_bounded(monkeypatch):
     from sgl_spec import requests as mod
 
-    monkeypatch.setattr(mod, "MAX_SEEDS", 2)
+    monkeypatch.setattr(mod, "MAX_KEPT", 2)
     hub = RequestHub()
     for rid in "abc":  # "a" was matched in the queue and never released
         hub.set_seeds(rid, Lines(1, {}))
     assert len(hub) == 2 and hub.seeds("a", 5) is None and hub.seeds("c", 5) is not None
+    hub.seeds("b", 5)
+    for rid in "xyz":  # no tagged tree takes them (--disable-radix-cache)
+        hub.offer_lines(rid, Lines(1, {}))
+    assert len(hub) == 2 and hub.take_lines("x", 5) is None
+    assert hub.take_lines("z", 5) is not None
 
 
 def test_release_listeners_are_called_once_each():
@@ -259,7 +264,8 @@ def test_sparse_output_matches_vslash_with_selected_lines(planted):
     select = SelectConfig(alpha=0.955, **PLANT_CFG)
     sp = SparsePrefill(PrefillConfig(mode="loopserve", min_tokens=1), 1, hub=RequestHub(),
                        select=select)
-    got = sp.extend(Turn("r", PLANT_HIST + PLANT_N, None, False), 0, q, k, v, PLANT_HIST, None)
+    got = sp.extend(Turn("r", PLANT_HIST + PLANT_N, None, False), 0, q, k, v, PLANT_HIST, None,
+                    exact=lambda: pytest.fail("the planted lines are sparse: no dense call"))
     lines = select_lines(q, k, PLANT_HIST, select)
     torch.testing.assert_close(got, vslash_attention(q, k, v, lines, PLANT_HIST))
 

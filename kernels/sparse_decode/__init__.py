@@ -43,11 +43,11 @@ __all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "default_impl", "dense_subs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.
 
 
-def default_impl(q: torch.Tensor, k_buf: torch.Tensor) -> str:
-    """``cpu`` where the C++ kernel takes (q, k_buf), else ``torch``."""
+def default_impl(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> str:
+    """``cpu`` where the C++ kernel takes (q, k_buf, v_buf), else ``torch``."""
     from .cpu_impl import supported
 
-    return "cpu" if supported(q, k_buf) else "torch"
+    return "cpu" if supported(q, k_buf) and v_buf.shape[-1] == q.shape[-1] else "torch"
 
 
 def sparse_decode(
@@ -68,9 +68,9 @@ def sparse_decode(
     (the checks cost ~20 µs of Python per call).
     """
     if impl is None:
-        impl = default_impl(q, k_buf)
+        impl = default_impl(q, k_buf, v_buf)
     fn = _impl_fn(impl)
-    dims = check_inputs(q, k_buf, v_buf, subsets) if check else dims_of(q, k_buf, subsets)
+    dims = check_inputs(q, k_buf, v_buf, subsets) if check else dims_of(q, k_buf, v_buf, subsets)
     out = check_out(out, q, dims) if check or out is None else out
     if dims.batch == 0:
         return out

@@ -28,8 +28,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 class DecodeSubsets(NamedTuple):
     """What each request of a decode batch attends, and where its K/V sit in the pool.
 
-    Built once per forward pass (the layers share it; a policy's per-layer selection
-    replaces ``sel_idx`` with ``_replace``). All tensors on the device of q.
+    Built once per forward pass and shared by the layers (a reselecting layer writes
+    its rows of ``sel_idx`` / ``sel_len`` in place). All tensors on the device of q.
     """
 
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32: (row, position) -> slot
@@ -119,11 +119,12 @@ def check_inputs(
     return Dims(batch, hq, hkv, hq // hkv, d, v_buf.shape[2], sub.sel_idx.shape[2])
 
 
-def dims_of(q: torch.Tensor, k_buf: torch.Tensor, sub: DecodeSubsets) -> Dims:
+def dims_of(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+            sub: DecodeSubsets) -> Dims:
     """The dimensions ``check_inputs`` returns, without its checks."""
     batch, hq, d = q.shape
     hkv = k_buf.shape[1]
-    return Dims(batch, hq, hkv, hq // hkv, d, d, sub.sel_idx.shape[2])
+    return Dims(batch, hq, hkv, hq // hkv, d, v_buf.shape[2], sub.sel_idx.shape[2])
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor, dims: Dims) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .prefill import SparsePrefill, Turn
 class ExtendPlan(NamedTuple):
     spans: list[Span]
     turns: dict[int, Turn]  # batch index -> its sparse prefill (LoopServe)
-    scored: list[ScoreRow]  # prompts the decode policy scores (SnapKV)
+    scored: dict[int, ScoreRow]  # batch index -> its prompt the decode policy scores (SnapKV)
 
 
 class AttentionPlan(NamedTuple):
@@ -45,8 +45,8 @@ class AttentionCore:
         if batch.mode != "extend":
             return AttentionPlan()
         turns = self.prefill.plan(batch) if self.prefill is not None else {}
-        return AttentionPlan(extend=ExtendPlan(spans(batch), turns,
-                                               self.decoder.plan_extend(batch)))
+        scored = {r.index: r for r in self.decoder.plan_extend(batch)}
+        return AttentionPlan(extend=ExtendPlan(spans(batch), turns, scored))
 
     def run(
         self,
@@ -63,8 +63,7 @@ class AttentionCore:
             return self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
         ext = plan.extend
         for i, sp in enumerate(ext.spans):
-            slots = sp.slots.long()
-            k, v = k_buf.index_select(0, slots), v_buf.index_select(0, slots)
+            k, v = k_buf.index_select(0, sp.slots), v_buf.index_select(0, sp.slots)
             qi = q[sp.q_start : sp.q_end]
             turn = ext.turns.get(i)
             if turn is None:
@@ -73,7 +72,7 @@ class AttentionCore:
                 out[sp.q_start : sp.q_end] = self.prefill.extend(
                     turn, layer, qi, k, v, sp.prefix, scale,
                     lambda qi=qi, k=k, v=v, sp=sp: exact_extend(qi, k, v, sp.prefix, scale))
-        for r in ext.scored:
-            keys = k_buf.index_select(0, ext.spans[r.index].slots.long())
-            self.decoder.policy.prefill_layer(r.rid, layer, q[r.q_start : r.q_end], keys)
+            r = ext.scored.get(i)
+            if r is not None:  # the prompt a policy scores (SnapKV): the keys just gathered
+                self.decoder.policy.prefill_layer(r.rid, layer, q[r.q_start : r.q_end], k)
         return out

@@ -107,7 +107,7 @@ class Decoder:
         shape: AttnShape,
         policy: SelectionPolicy | None = None,  # None: exact mode
         *,
-        impl: str | None = None,  # kernel impl; None: sparse_decode's default per call
+        impl: str | None = None,  # kernel impl; None: default_impl, fixed at the first run
         metrics: Metrics | None = None,
         stale_after: int = STALE_AFTER,
     ):
@@ -263,7 +263,7 @@ class Decoder:
             sel = self.policy.selection(layer, plan.sparse.slots)
             sub.sel_idx.index_copy_(0, plan.sparse.idx, sel)
         if self.impl is None:
-            self.impl = default_impl(q, k_buf)
+            self.impl = default_impl(q, k_buf, v_buf)
         # The pass's first run checks the subsets against the pool; the others reuse them.
         check = plan is not self._checked
         self._checked = plan

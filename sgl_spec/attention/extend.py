@@ -26,6 +26,7 @@ from sgl_spec.kernels.dense import dense_attention_torch
 from .batch import BatchView
 
 SPLIT_MIN_QUERIES = 256  # new queries over a prefix from which the CPU runs the split
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # the CPU's fused SDPA kernel takes these
 
 
 class Span(NamedTuple):
@@ -34,14 +35,14 @@ class Span(NamedTuple):
     q_start: int  # its new queries: rows [q_start, q_end) of the pass
     q_end: int
     prefix: int  # cached tokens before them
-    slots: torch.Tensor  # [prefix + new] int32 its KV slots (a view of req_to_token)
+    slots: torch.Tensor  # [prefix + new] int64 its KV slots (from req_to_token, once a pass)
 
 
 def spans(batch: BatchView) -> list[Span]:
     out, q_end = [], 0
     for row, n, e in zip(batch.pool_rows, batch.seq_lens, batch.extend_lens):
         q_start, q_end = q_end, q_end + e
-        out.append(Span(q_start, q_end, n - e, batch.req_to_token[row, :n]))
+        out.append(Span(q_start, q_end, n - e, batch.req_to_token[row, :n].long()))
     return out
 
 
@@ -61,7 +62,8 @@ def exact_extend(
 ) -> torch.Tensor:  # [n, Hq, Dv], q.dtype
     """Dense causal attention of the new queries over prefix + new keys."""
     if (prefix and q.device.type == "cpu" and q.shape[0] >= SPLIT_MIN_QUERIES
-            and q.dtype == k.dtype == v.dtype and v.shape == k.shape):
+            and q.dtype == k.dtype == v.dtype and q.dtype in FUSED_DTYPES
+            and v.shape == k.shape):
         return dense_attention_torch(q, k, v, prefix, scale)
     qh = q.movedim(0, 1)  # [Hq, n, D]
     kh, vh = k.movedim(0, 1), v.movedim(0, 1)

@@ -126,9 +126,7 @@ class SparsePrefill:
         return q_len >= self.cfg.min_tokens
 
     def plan(self, batch: BatchView) -> dict[int, Turn]:
-        """The pass's sparse extends, by batch index (empty for other passes)."""
-        if batch.mode != "extend":
-            return {}
+        """The pass's sparse extends (an extend pass), by batch index."""
         turns = {}
         for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens)):
             if self.wants(e):
@@ -150,13 +148,13 @@ class SparsePrefill:
         v: torch.Tensor,  # [N+n, Hkv, D]
         history_len: int,  # N, cached prefix
         scale: float | None,
-        exact: Callable[[], torch.Tensor] | None = None,  # the row's dense call, [n, Hq, D]
+        exact: Callable[[], torch.Tensor],  # the row's dense call (exact mode's), [n, Hq, D]
     ) -> torch.Tensor:  # [n, Hq, D], q.dtype
         """Select this layer's lines and attend them (LoopServe Alg. 2 + §5.2), or
         make the dense call where the lines would be too dense to pay."""
         st = self.stats.layers.setdefault(layer, LayerStats())
         over = self._over.get(layer, 0)
-        if exact is not None and over % REPROBE_EVERY:
+        if over % REPROBE_EVERY:
             # Too dense last time: skip the selection, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
             st.dense += 1
@@ -168,9 +166,9 @@ class SparsePrefill:
         lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
         t1 = time.perf_counter()
         dens = float(density(lines, q.shape[0], history_len).mean())
-        skip = exact is not None and dens > self.cfg.skip_density
+        skip = dens > self.cfg.skip_density
         self._over[layer] = over + 1 if skip else 0
-        if exact is not None and dens > self.cfg.max_density:
+        if dens > self.cfg.max_density:
             st.dense += 1
             out = exact()
         else:

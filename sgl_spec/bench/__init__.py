@@ -32,7 +32,7 @@ Sweeps and micro-benchmarks (``python -m sgl_spec.bench.<name> --help``):
     ``qk_capture``   per-layer q/k/v of a real prompt, for prefill_mass and vslash
     ``vslash``       line-sparse prefill attention vs dense SDPA (kernel)
     ``reselect``     one LoopServe reselection vs the dense decode steps it covers
-    ``cache_overhead``, ``cache_fixtures``  the radix cache's own cost
+    ``cache_overhead`` the radix cache's own cost
 Shared: ``timing`` (medians, spreads, interleaved rounds), ``cli`` (flags, outputs),
 ``render`` (markdown cells), ``provenance`` (machine, versions, commit).
 """

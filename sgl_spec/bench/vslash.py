@@ -2,9 +2,10 @@
 
     python -m sgl_spec.bench.vslash --n 6144 --history 6144 --density 0.05 0.1 0.2
 
-The baseline is the call the exact attention backend makes for an extend with a
-cached prefix: ``scaled_dot_product_attention`` with the offset causal mask and
-``enable_gqa``. Line sets per KV head: local band + sinks + random verticals and
+The baseline is one dense call over a cached prefix: ``scaled_dot_product_attention``
+with the offset causal mask and ``enable_gqa`` (exact mode's call for extends of
+fewer than ``SPLIT_MIN_QUERIES`` new queries; longer ones run the fused split,
+``--crossover`` times both). Line sets per KV head: local band + sinks + random verticals and
 isolated slashes (``--vertical-share`` of the added lines are verticals), sized to
 the requested cell density. Reports medians; writes JSON lines with ``--out`` and
 prints a table. On a shared machine use ``--threads 1``: a second OpenMP thread

@@ -13,7 +13,7 @@ Upgrading sglang means diffing this folder against the new release. It holds:
 * ``endpoint``: ``GET /sgl_spec/cache``; ``server_format``: the served model's turns;
 * ``cpu``: sglang 0.5.23 on hosts without CUDA (import hooks, HiCache on CPU, the
   ``sgl_kernel`` stand-in, torchvision's ops);
-* ``stock``: stock sglang components for benchmarks and tests.
+* ``standalone``: sglang's components built outside a server, for benchmarks and tests.
 
 Importing this package checks the installed sglang against the pinned version, once;
 it imports nothing of sglang itself (submodules do, lazily where they are loaded at
