@@ -207,9 +207,7 @@ def ratios(configs: list[dict], key: str = "tok_s_median") -> dict[str, dict[str
     out = {}
     for a, b in RATIOS:
         if a in by and b in by:
-            out[f"{a} / {b}"] = {k: (p.get(key) / by[b][k].get(key)
-                                     if p.get(key) and by[b][k].get(key) else None)
-                                 for k, p in by[a].items()}
+            out[f"{a} / {b}"] = sweep.point_ratios(by[a], by[b], key)
     return out
 
 

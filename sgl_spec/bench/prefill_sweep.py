@@ -202,9 +202,7 @@ def ratios(configs: list[dict], reference: str) -> dict[str, dict[str, float]]:
     by = {c["name"]: c["points"] for c in configs}
     if reference not in by:
         return {}
-    ref = by[reference]
-    return {name: {k: p["ttft_median_s"] / ref[k]["ttft_median_s"] for k, p in pts.items()
-                   if k in ref and ref[k]["ttft_median_s"] > 0}
+    return {name: sweep.point_ratios(pts, by[reference], "ttft_median_s")
             for name, pts in by.items() if name != reference}
 
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Protocol
 
-from sgl_spec.bench import cli, timing
+from sgl_spec.bench import cli, summary, timing
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.server import ServerProcess, ServerStartError
 
@@ -111,6 +111,14 @@ def pool(runs: Sequence[dict], pool_point: Callable[[list[dict]], dict]) -> dict
     points = {key: pool_point([r["points"][key] for r in runs]) for key in runs[0]["points"]}
     return {**runs[0], "logs": [r["log"] for r in runs], "points": points,
             "peak_rss_bytes": max(r.get("peak_rss_bytes") or 0 for r in runs)}
+
+
+def point_ratios(points: dict[str, dict], base: dict[str, dict],
+                 key: str) -> dict[str, float | None]:
+    """Per point of ``points`` that ``base`` has too: ``points[k][key] / base[k][key]``
+    (None where either is missing or the baseline is 0)."""
+    return {k: summary.ratio(p.get(key), base[k].get(key))
+            for k, p in points.items() if k in base}
 
 
 def start_ratios(configs: Sequence[dict], baseline: str,
