@@ -169,6 +169,10 @@ class PrefillConfig:
         _check("prefill", self)
 
 
+# SpecConfig's parts: field name (and FLAGS section) -> its config class.
+PARTS: dict[str, type] = {"cache": CacheConfig, "decode": DecodeConfig, "prefill": PrefillConfig}
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """What ``--spec-*`` selected. Immutable; every part validated on construction."""
@@ -194,13 +198,12 @@ class SpecConfig:
     @classmethod
     def from_json(cls, text: str) -> SpecConfig:
         data = json.loads(text)
-        parts = {"cache": CacheConfig, "decode": DecodeConfig, "prefill": PrefillConfig}
-        known = {"disable", *parts}
+        known = {"disable", *PARTS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{envs.SGLSPEC_CONFIG} has unknown keys {unknown}; "
                              f"valid keys: {sorted(known)}")
-        for name, part in parts.items():
+        for name, part in PARTS.items():
             if name in data:
                 sub = data[name]
                 valid = {f.name for f in dataclasses.fields(part)}
@@ -251,15 +254,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def from_cli_args(args: argparse.Namespace) -> SpecConfig:
     """The config of parsed flags; raises ValueError naming a bad flag."""
-    parts: dict[str, dict] = {"cache": {}, "decode": {}, "prefill": {}, "": {}}
+    values: dict[str, dict] = {"": {}, **{name: {} for name in PARTS}}
     for flag in FLAGS:
-        parts[flag.section][flag.field] = getattr(args, f"{flag.section}__{flag.field}")
-    return SpecConfig(
-        cache=CacheConfig(**parts["cache"]),
-        decode=DecodeConfig(**parts["decode"]),
-        prefill=PrefillConfig(**parts["prefill"]),
-        **parts[""],
-    )
+        values[flag.section][flag.field] = getattr(args, f"{flag.section}__{flag.field}")
+    return SpecConfig(**{name: part(**values[name]) for name, part in PARTS.items()},
+                      **values[""])
 
 
 @lru_cache(maxsize=1)
