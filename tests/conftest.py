@@ -54,6 +54,28 @@ def model_path() -> str:
     return prepare()
 
 
+LONG_MODEL = "qwen2.5-coder-0.5b"
+
+
+@pytest.fixture(scope="session")
+def long_model_path() -> str:
+    """The opt-in long-context model's directory; the test is skipped where it is not
+    prepared (CI never prepares it)."""
+    from sgl_spec.prepare_model import is_prepared, model_dir
+
+    path = model_dir(model=LONG_MODEL)
+    if not is_prepared(path):
+        pytest.skip(f"needs python -m sgl_spec.prepare_model --model {LONG_MODEL}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def long_tok(long_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(long_model_path)
+
+
 def _log_path(tmp_path_factory, name: str) -> str:
     return os.path.join(str(tmp_path_factory.mktemp("logs")), f"{name}.log")
 

@@ -191,8 +191,10 @@ def test_markdown_takes_a_third_row(convs):
                     "## Speed", "by history length", "## Dataset"):
         assert heading in md
     rows = [line for line in md.splitlines() if line.startswith("| loopserve B=512 |")]
-    # accuracy, position x source, size, history, agreement, speed
-    assert len(rows) == 6
+    # accuracy, position x source, size, history, gap, answer timing, agreement, speed
+    assert len(rows) == 8
+    assert "## Gap to the reference, by position, with speed" in md
+    assert "## When the answers came" in md
     size_row = next(r for r in md.splitlines() if r.startswith("| stock | ") and "(n=" in r
                     and "n=15" not in r)
     assert size_row.count("1.00 (1.00) n=") == 2  # one cell per size: 300 and 900

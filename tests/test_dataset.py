@@ -37,11 +37,11 @@ def _count_word(word: str, text: str) -> int:
 def test_fact_wording():
     fact = Fact(turn=0, colour="blue", object="lighthouse", kind="number", value="4817")
     assert fact.sentence == "The secret code of the blue lighthouse is 4817."
-    assert fact.question == ("Question: What is the secret code of the blue lighthouse? "
+    assert fact.question() == ("Question: What is the secret code of the blue lighthouse? "
                              "Answer with the number only.")
     word = Fact(turn=1, colour="green", object="bicycle", kind="word", value="falcon")
     assert word.sentence == "The password of the green bicycle is falcon."
-    assert word.question.endswith("Answer with one word only.")
+    assert word.question().endswith("Answer with one word only.")
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -137,7 +137,7 @@ def test_question_sources(small):
     for conv in small:
         for turn in conv.turns:
             assert turn.answer == turn.fact.value
-            assert turn.question == turn.fact.question
+            assert turn.question == turn.fact.question()
             if turn.source == "this_turn":
                 assert turn.fact in turn.facts
             else:
@@ -212,7 +212,7 @@ def test_presets():
     default = DatasetConfig.preset("default")
     assert default.tokens_per_turn == (500, 1000, 1750) and default.turns == (2, 4)
     assert QUICK.conversations == 3 and QUICK.tokens_per_turn == (400,)
-    with pytest.raises(ValueError, match=r"\['default', 'long-turns', 'quick'\]"):
+    with pytest.raises(ValueError, match=r"\['default', 'long-context', 'long-context-quick', 'long-turns', 'quick'\]"):
         DatasetConfig.preset("huge")
 
 

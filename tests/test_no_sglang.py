@@ -20,6 +20,7 @@ SGLANG_FREE_TESTS = [
     "tests/test_turn_format.py", "tests/test_sparse_policies.py",
     "tests/test_sparse_decode_kernels.py", "tests/test_vslash_kernels.py",
     "tests/test_sparse_prefill.py", "tests/test_sparse_backend.py", "tests/test_launcher.py",
+    "tests/test_long_context.py", "tests/test_model_sources.py",
 ]
 NEEDS_SGLANG = "batch_view"  # test_sparse_backend: the integration's ForwardBatch view
 

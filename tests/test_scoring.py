@@ -79,9 +79,9 @@ def _turn(index: int, fact_turn: int, position: str, value: str) -> Turn:
                 value=value)
     own = index == fact_turn
     return Turn(index=index, context="ctx " + fact.sentence, facts=(fact,) if own else (),
-                question=fact.question, position=position,
+                question=fact.question(), position=position,
                 source="this_turn" if own else "earlier_turn",
-                fact=fact, answer=value, user_message=fact.question + "\n\nctx",
+                fact=fact, answer=value, user_message=fact.question() + "\n\nctx",
                 n_tokens=10)
 
 

@@ -72,6 +72,8 @@ CASES = [
     Case("empty-selection", 2, 2, (64, 33), 4, 8, 0),
     Case("sink0", 3, 2, (70, 52), 0, 8, 16),
     Case("short-requests", 2, 2, (3, 1, 9), 4, 8, 16),  # sink/window cover everything
+    # Qwen2.5-0.5B's heads (the long-context model): 14 query heads on 2 KV heads.
+    Case("gqa7-qwen2.5-heads-D64", 7, 2, (150, 97), 4, 16, 32, head_dim=64),
 ]
 
 

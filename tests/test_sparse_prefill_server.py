@@ -27,7 +27,7 @@ def long_prompt(hf_tok) -> str:
     """~1500 tokens of corpus prose, the fact planted at a sentence end in the middle."""
     text = corpus.document(hf_tok, 1450, seed=11)
     cut = text.find(". ", len(text) // 2) + 1 or len(text) // 2
-    return chatml(f"{text[:cut]} {FACT.sentence}{text[cut:]}\n\n{FACT.question}")
+    return chatml(f"{text[:cut]} {FACT.sentence}{text[cut:]}\n\n{FACT.question()}")
 
 
 def generate(url: str, text: str, max_new_tokens: int) -> dict:

@@ -162,3 +162,21 @@ def test_summary_without_a_turn_format_is_untagged():
     assert totals(segs, None)["by_role"] == {"untagged": 4}
     assert summary([], FMT, tree_core="compiled", eviction="lru",
                    freed_by_rule={})["num_branches"] == 0
+
+
+def test_derive_qwen25_template_with_its_default_system_prompt(hf_tok):
+    # Qwen2.5's ChatML: a default system prompt when none is given, and tool results
+    # rendered inside a user turn (no tool opener to tag).
+    template = (DATA / "qwen2.5_chatml.jinja").read_text()
+    fmt = derive(hf_tok, chat_template=template)
+    opener = {r: hf_tok.decode(list(ids)) for r, ids in fmt.openers}
+    assert opener == {"user": "<|im_start|>user", "assistant": "<|im_start|>assistant",
+                      "system": "<|im_start|>system"}
+    assert hf_tok.decode(list(fmt.end)) == "<|im_end|>"
+    text = hf_tok.apply_chat_template(CONVERSATION[1:], chat_template=template,
+                                      tokenize=False)
+    spans = segment(hf_tok.encode(text, add_special_tokens=False), fmt)
+    assert _roles_and_rounds(spans) == [
+        ("system", 0), ("user", 1), ("assistant", 1), ("user", 2), ("assistant", 2)]
+    ids = hf_tok.encode(text, add_special_tokens=False)
+    assert "You are Qwen" in hf_tok.decode(ids[spans[0].start:spans[0].end])

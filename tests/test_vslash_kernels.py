@@ -106,6 +106,7 @@ SHAPES = {
     "n130_N70_8q1kv": (130, 70, 8, 1, 32),
     "n1_N50_6q2kv": (1, 50, 6, 2, 16),
     "n300_N500_6q2kv": (300, 500, 6, 2, 64),
+    "n90_N120_14q2kv": (90, 120, 14, 2, 64),  # Qwen2.5-0.5B: GQA group 7
 }
 
 
@@ -173,7 +174,8 @@ def test_torch_matches_reference(shape, kind, per, dtype, path):
     assert rel_err(out, ref) <= TOL[dt]
 
 
-@pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv"])
+@pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv",
+                                   "n90_N120_14q2kv"])
 def test_dense_lines_equal_causal_attention(shape):
     n, hist, hq, hkv, d = SHAPES[shape]
     q, k, v = make_qkv(n, hist, hq, hkv, d, torch.float64)
@@ -456,7 +458,8 @@ def test_select_config_validation(kwargs, match):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv"])
+@pytest.mark.parametrize("shape", ["n64_N0_9q3kv", "n77_N150_9q3kv", "n130_N70_8q1kv",
+                                   "n90_N120_14q2kv"])
 def test_dense_attention_torch_is_causal_attention(shape, dtype):
     """The fused history + causal split that too-dense layers run equals the dense lines."""
     from sgl_spec.kernels.dense import dense_attention_torch

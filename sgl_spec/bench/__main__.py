@@ -52,13 +52,17 @@ def build_parser():
                    help="conversations in flight at once; turns of one conversation stay "
                    "sequential (default: %(default)s; >1 makes timings and greedy "
                    "agreement depend on batching)")
+    p.add_argument("--rows", nargs="+", metavar="NAME",
+                   help="play only these rows of --configs, besides its first row (the "
+                   "speed baseline) and its reference row")
     p.add_argument("--dataset", metavar="JSONL",
                    help="play this saved dataset (dataset.to_jsonl) instead of generating one")
     cli.add_common(p, out_required=False,
                    out="output directory (default: results/<YYYYMMDD-HHMMSS>-<set name>)",
                    quick="the quick plan: small dataset, a 256-token long generation, small "
                    "speed chats and serving run (~2 min a configuration); overrides the "
-                   "configuration set's [plan]")
+                   "configuration set's [plan], except that a set whose dataset has a "
+                   "quick form (long-context) plays that")
     return p
 
 
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         sets = None if args.url else configset.load(args.configs)
+        if sets is not None and args.rows:
+            sets = sets.only(args.rows)
         plan = run_plan.choose(sets.plan if sets else None, args.quick, args.concurrency)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))

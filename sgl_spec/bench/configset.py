@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from sgl_spec.bench import plan as run_plan
 from sgl_spec.bench.server import SPEC, STOCK
+from sgl_spec.config import SpecConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 DEFAULT_PATH = os.path.join(CONFIG_DIR, "baseline.toml")
@@ -105,6 +106,14 @@ class ServerConfig:
         return ["--model-path", model, *COMMON_FLAGS, *LAUNCHERS[self.launcher].flags,
                 *self.flags]
 
+    def spec(self) -> SpecConfig | None:
+        """The row's ``--spec-*`` configuration; None for stock rows."""
+        if self.launcher != "sgl_spec":
+            return None
+        from sgl_spec.launch_server import split_argv
+
+        return split_argv(list(self.flags))[0]
+
     @property
     def slug(self) -> str:
         """The name as a file-name part: ``sgl_spec exact`` -> ``sgl_spec-exact``."""
@@ -158,6 +167,20 @@ class ConfigSet:
                                  f"{other_label}; valid: {[n for n in names if n != other]}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
                 raise ValueError(f"{where} {row!r} must be {want}, got {value!r}")
+
+    def only(self, rows: list[str]) -> ConfigSet:
+        """The set with only ``rows`` besides the baseline and the reference (which
+        the others are measured against); ValueError names the valid rows."""
+        names = [c.name for c in self.configs]
+        bad = [r for r in rows if r not in names]
+        if bad:
+            raise ValueError(f"configuration set {self.name!r} has no row(s) {bad}; "
+                             f"valid: {names}")
+        keep = {self.baseline.name, self.reference.name, *rows}
+        return replace(self, configs=tuple(c for c in self.configs if c.name in keep),
+                       within_points=tuple(p for p in self.within_points if p[0] in keep),
+                       followup_speedup=tuple(p for p in self.followup_speedup
+                                              if p[0] in keep))
 
     @property
     def baseline(self) -> ServerConfig:

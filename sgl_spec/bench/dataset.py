@@ -9,7 +9,9 @@ are a 4-digit number or one common word, scored by ``sgl_spec.bench.scoring``.
 
 Facts are made for a very small model: every object appears in one fact only per
 conversation, every value once in the whole conversation, and the question repeats
-the fact's wording. Generation is offline and a pure function of (config, tokenizer):
+the fact's wording. A ``long``-style question (``long_answer_share``) asks for one
+sentence that restates the fact's long subject before the value, so that the answer
+comes only after ~24 generated tokens, where sparse decode has already reselected. Generation is offline and a pure function of (config, tokenizer):
 
     >>> convs = generate(DatasetConfig.preset("default"), tokenizer)
     >>> convs[0].turns[1].user_message      # what is sent as the 2nd user message
@@ -27,13 +29,15 @@ import random
 import re
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from sgl_spec.bench import corpus
 from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 POSITIONS: tuple[str, ...] = ("begin", "middle", "end")
 SOURCES: tuple[str, ...] = ("this_turn", "earlier_turn")
+# short: the value alone; long: one sentence restating the whole subject, then the value.
+STYLES: tuple[str, ...] = ("short", "long")
 
 COLOURS: tuple[str, ...] = (
     "red", "blue", "green", "yellow", "orange", "purple", "pink", "brown",
@@ -57,6 +61,16 @@ KINDS: dict[str, tuple[str, str]] = {
     "number": ("secret code", "Answer with the number only."),
     "word": ("password", "Answer with one word only."),
 }
+LONG_INSTRUCTION = ("Answer with one full sentence that repeats the whole subject of the "
+                    "question, then the {what}.")
+# Long subjects: "that <who> wrote in <where> during <when>" (~18 words with the key).
+_WHO = ("the harbour council", "the old lighthouse keeper", "the village schoolteacher",
+        "the travelling merchant", "the county surveyor", "the night watchman")
+_WHERE = ("its winter maintenance ledger", "the margin of a faded shipping map",
+          "a sealed letter to the mayor", "the back page of the parish register",
+          "a notebook kept under the counter", "the minutes of the spring assembly")
+_WHEN = ("the long storm of the northern autumn", "the first week of the harvest fair",
+         "the quiet months after the flood", "the annual inspection of the bridges")
 # Chat-template tokens around each message (SmolLM2: "<|im_start|>user\n...<|im_end|>\n").
 TEMPLATE_TOKENS = 24
 MIN_TURN_TOKENS = 200
@@ -89,6 +103,9 @@ class DatasetConfig:
     earlier_turn_share: float = 0.5
     positions: tuple[str, ...] = POSITIONS
     max_tokens: int = 32
+    # Share of questions in the long style; any > 0 gives every fact a long subject.
+    long_answer_share: float = 0.0
+    context_len: int = CONTEXT_LEN  # the model's window, that every conversation fits
 
     def __post_init__(self) -> None:
         if self.conversations <= 0:
@@ -114,11 +131,13 @@ class DatasetConfig:
             )
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if not 0.0 <= self.long_answer_share <= 1.0:
+            raise ValueError(f"long_answer_share must be in [0, 1], got {self.long_answer_share}")
         need = self.turns[1] * (max(self.tokens_per_turn) + self.max_tokens + TEMPLATE_TOKENS)
-        if need > CONTEXT_LEN:
+        if need > self.context_len:
             raise ValueError(
                 f"the longest conversation needs ~{need} tokens, over the "
-                f"{CONTEXT_LEN}-token context window: {self}"
+                f"{self.context_len}-token context window: {self}"
             )
 
     @classmethod
@@ -126,12 +145,19 @@ class DatasetConfig:
         """``default``: 18 conversations, histories ~1k to ~7k tokens; ``quick``: 3 small;
         ``long-turns``: 27 two-turn conversations of 2300- or 3000-token messages, so
         every turn is an extend of >= 2048 new tokens (the sparse prefill's default
-        threshold), 18 questions per position."""
+        threshold), 18 questions per position; ``long-context`` (a 32k-window model such
+        as ``prepare_model --model qwen2.5-coder-0.5b``): 27 two-turn conversations of
+        4200- or 8000-token messages, so 4k-16k tokens precede each question, 18 per
+        position, half in the long style; ``long-context-quick``: 3 of them."""
+        long_context = cls(conversations=27, turns=(2, 2), tokens_per_turn=(4200, 8000),
+                           max_tokens=64, long_answer_share=0.5, context_len=32768)
         presets = {
             "default": cls(),
             "long-turns": cls(conversations=27, turns=(2, 2), tokens_per_turn=(2300, 3000)),
             "quick": cls(conversations=3, turns=(2, 3), tokens_per_turn=(400,),
                          facts_per_turn=2),
+            "long-context": long_context,
+            "long-context-quick": replace(long_context, conversations=3),
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; valid: {sorted(presets)}")
@@ -147,6 +173,7 @@ class Fact:
     object: str
     kind: str
     value: str
+    qualifier: str = ""  # a long subject's tail ("that ... wrote in ... during ...")
 
     def __post_init__(self) -> None:
         _one_of("fact kind", self.kind, sorted(KINDS))
@@ -155,15 +182,18 @@ class Fact:
 
     @property
     def key(self) -> str:
-        return f"{KINDS[self.kind][0]} of the {self.colour} {self.object}"
+        key = f"{KINDS[self.kind][0]} of the {self.colour} {self.object}"
+        return f"{key} {self.qualifier}" if self.qualifier else key
 
     @property
     def sentence(self) -> str:
         return f"The {self.key} is {self.value}."
 
-    @property
-    def question(self) -> str:
-        return f"Question: What is the {self.key}? {KINDS[self.kind][1]}"
+    def question(self, style: str = "short") -> str:
+        _one_of("question style", style, STYLES)
+        instruction = KINDS[self.kind][1] if style == "short" else LONG_INSTRUCTION.format(
+            what="number" if self.kind == "number" else "word")
+        return f"Question: What is the {self.key}? {instruction}"
 
 
 @dataclass(frozen=True)
@@ -181,10 +211,12 @@ class Turn:
     answer: str
     user_message: str
     n_tokens: int
+    style: str = "short"
 
     def __post_init__(self) -> None:
         _one_of("position", self.position, POSITIONS)
         _one_of("source", self.source, SOURCES)
+        _one_of("question style", self.style, STYLES)
         expect = "this_turn" if self.fact.turn == self.index else "earlier_turn"
         if self.source != expect or self.fact.turn > self.index:
             raise ValueError(f"turn {self.index} asks about {self.fact} as {self.source}")
@@ -285,12 +317,15 @@ def place(question: str, context: str, position: str) -> str:
 
 def _conversation(tokenizer: corpus.Tokenizer, name: str, seed: int, n_turns: int,
                   size: int, facts_per_turn: int, positions: list[str],
-                  earlier: list[bool]) -> Conversation:
+                  earlier: list[bool], styles: list[str], long_subjects: bool
+                  ) -> Conversation:
     rng = random.Random(seed)
     n_facts = n_turns * facts_per_turn
     objects = rng.sample(OBJECTS, n_facts)
     colours = [rng.choice(COLOURS) for _ in range(n_facts)]
     kinds = [rng.choice(sorted(KINDS)) for _ in range(n_facts)]
+    qualifiers = [f"that {rng.choice(_WHO)} wrote in {rng.choice(_WHERE)} during "
+                  f"{rng.choice(_WHEN)}" if long_subjects else "" for _ in range(n_facts)]
 
     # Which fact each turn asks: a fact of this turn, or an earlier one not yet asked.
     asked: list[int] = []
@@ -306,28 +341,30 @@ def _conversation(tokenizer: corpus.Tokenizer, name: str, seed: int, n_turns: in
     # a placeholder of 4 digits stands for them, the message is measured at the end).
     sizes = []
     for t in range(n_turns):
-        probe = [Fact(t, colours[i], objects[i], kinds[i], "1234")
+        probe = [Fact(t, colours[i], objects[i], kinds[i], "1234", qualifiers[i])
                  for i in range(t * facts_per_turn, (t + 1) * facts_per_turn)]
         overhead = sum(_n_tokens(tokenizer, " " + f.sentence) for f in probe)
-        overhead += _n_tokens(tokenizer, Fact(t, colours[asked[t]], objects[asked[t]],
-                                              kinds[asked[t]], "1234").question) + 4
+        i = asked[t]
+        overhead += _n_tokens(tokenizer, Fact(t, colours[i], objects[i], kinds[i], "1234",
+                                              qualifiers[i]).question(styles[t])) + 4
         sizes.append(size - overhead)
     prose = [corpus.join(chunk) for chunk in corpus.chunks(tokenizer, sizes, seed)]
     values = draw_values(rng, kinds, "\n".join(prose))
-    facts = [Fact(i // facts_per_turn, colours[i], objects[i], kinds[i], values[i])
-             for i in range(n_facts)]
+    facts = [Fact(i // facts_per_turn, colours[i], objects[i], kinds[i], values[i],
+                  qualifiers[i]) for i in range(n_facts)]
 
     turns = []
     for t in range(n_turns):
         planted = tuple(facts[t * facts_per_turn: (t + 1) * facts_per_turn])
         context = plant(rng, prose[t], [f.sentence for f in planted])
         fact = facts[asked[t]]
-        message = place(fact.question, context, positions[t])
+        question = fact.question(styles[t])
+        message = place(question, context, positions[t])
         turns.append(Turn(
-            index=t, context=context, facts=planted, question=fact.question,
+            index=t, context=context, facts=planted, question=question,
             position=positions[t], source="earlier_turn" if earlier[t] else "this_turn",
             fact=fact, answer=fact.value, user_message=message,
-            n_tokens=_n_tokens(tokenizer, message),
+            n_tokens=_n_tokens(tokenizer, message), style=styles[t],
         ))
     return Conversation(name, size, tuple(turns))
 
@@ -338,7 +375,8 @@ def generate(config: DatasetConfig, tokenizer: corpus.Tokenizer) -> list[Convers
     Shapes (turn count, size) cycle through all combinations in a seeded order;
     positions are dealt round-robin over all turns and earlier-turn questions to
     ``round(earlier_turn_share * eligible turns)`` of the turns after the first,
-    so the dataset is balanced, not just balanced on average.
+    so the dataset is balanced, not just balanced on average; long-style questions
+    likewise to ``round(long_answer_share * turns)`` turns, dealt per position.
     """
     rng = random.Random(config.seed)
     shapes = list(itertools.product(range(config.turns[0], config.turns[1] + 1),
@@ -352,6 +390,15 @@ def generate(config: DatasetConfig, tokenizer: corpus.Tokenizer) -> list[Convers
     eligible = [(c, t) for c, (n, _) in enumerate(shapes) for t in range(1, n)]
     rng.shuffle(eligible)
     earlier = set(eligible[: round(config.earlier_turn_share * len(eligible))])
+    # Long style: the first share of each position's turns in a seeded order, so that
+    # every position has (nearly) the same share.
+    order = list(range(total))
+    rng.shuffle(order)
+    styles = ["short"] * total
+    for p in config.positions:
+        mine = [i for i in order if positions[i] == p]
+        for i in mine[: round(config.long_answer_share * len(mine))]:
+            styles[i] = "long"
 
     out = []
     start = 0
@@ -361,6 +408,8 @@ def generate(config: DatasetConfig, tokenizer: corpus.Tokenizer) -> list[Convers
             n_turns=n_turns, size=size, facts_per_turn=config.facts_per_turn,
             positions=positions[start: start + n_turns],
             earlier=[(c, t) in earlier for t in range(n_turns)],
+            styles=styles[start: start + n_turns],
+            long_subjects=config.long_answer_share > 0,
         ))
         start += n_turns
     return out
@@ -386,6 +435,7 @@ def stats(conversations: list[Conversation]) -> dict:
         "positions": {p: n for p in POSITIONS if (n := sum(t.position == p for t in turns))},
         "sources": {s: n for s in SOURCES if (n := sum(t.source == s for t in turns))},
         "facts": sum(len(t.facts) for t in turns),
+        "styles": {s: n for s in STYLES if (n := sum(t.style == s for t in turns))},
         "answer_kinds": dict(sorted(Counter(t.fact.kind for t in turns).items())),
     }
 
@@ -408,6 +458,6 @@ def from_jsonl(path: str) -> list[Conversation]:
 
 
 __all__ = [
-    "POSITIONS", "SOURCES", "DatasetConfig", "Fact", "Turn", "Conversation",
+    "POSITIONS", "SOURCES", "STYLES", "DatasetConfig", "Fact", "Turn", "Conversation",
     "generate", "place", "plant", "draw_values", "stats", "to_jsonl", "from_jsonl",
 ]

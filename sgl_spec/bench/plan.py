@@ -131,8 +131,20 @@ def parse(table: object, where: str = "[plan]") -> RunPlan:
         raise ValueError(f"{where}: {exc}") from None
 
 
+def _has_preset(name: str) -> bool:
+    try:
+        DatasetConfig.preset(name)
+    except ValueError:
+        return False
+    return True
+
+
 def choose(set_plan: RunPlan | None, quick: bool, concurrency: int = 1) -> RunPlan:
-    """The plan a run plays: quick if asked, else the set's, else the default."""
+    """The plan a run plays: quick if asked, else the set's, else the default. A set
+    whose dataset has a ``<name>-quick`` preset (``long-context``) keeps its own plan
+    with that dataset under ``--quick``: its rows need its model's long window."""
+    if quick and set_plan is not None and _has_preset(f"{set_plan.dataset}-quick"):
+        return replace(set_plan, dataset=f"{set_plan.dataset}-quick", concurrency=concurrency)
     if quick or set_plan is None:
         return RunPlan.preset(quick, concurrency)
     return replace(set_plan, concurrency=concurrency)

@@ -70,6 +70,14 @@ def _serving(run: ConfigRun, base: ConfigRun | None, ref: ConfigRun | None) -> d
     return entry
 
 
+def _first_sparse(run: ConfigRun):
+    """The row's ``DecodeConfig.first_sparse_step``; None for stock or URL rows."""
+    from sgl_spec.bench.configset import ServerConfig
+
+    spec = ServerConfig(**run.config).spec() if run.config else None
+    return None if spec is None or spec.disable else spec.decode.first_sparse_step
+
+
 def build(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Conversation],
           plan: RunPlan, runs: Sequence[ConfigRun], reference: str | None,
           within_points: dict[str, float] | None = None,
@@ -85,13 +93,15 @@ def build(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Conversatio
     for run in runs:
         entry = {"name": run.name, "config": run.config, "server": run.server,
                  **summary.config_figures(summary.score_conversations(convs, run.chat),
-                                          run.longgen),
+                                          run.longgen, _first_sparse(run)),
                  "sparse_decode": run.sparse or {"chat": None, "longgen": None},
                  "chats": _speed_chats(run, base, ref), "serving": _serving(run, base, ref)}
         if ref is not None and run is not ref:
             entry["agreement"] = {"chat": agreement.figures(ref.chat, run.chat),
                                   "longgen": agreement.figures(ref.longgen, run.longgen)}
         configs.append(entry)
+    for entry in configs[1:] if base is not None else ():
+        entry["chat_ratio"] = summary.ratios(entry["speed"]["chat"], configs[0]["speed"]["chat"])
     results = {
         "meta": meta,
         "dataset": {"config": asdict(dataset_config), "stats": dataset.stats(list(convs))},

@@ -126,6 +126,13 @@ class ChatTurn:
     def history(self) -> str:
         return history_bucket(self.result.prompt_tokens)
 
+    @property
+    def answer_step(self) -> int | None:
+        """Output tokens before the gold answer (None: never said); greedy, so the top
+        logprob is the token chosen."""
+        tokens = [top[0][0] if top else "" for top in self.result.top_logprobs]
+        return scoring.answer_step(tokens, self.score.answer)
+
 
 def score_conversations(conversations: Sequence[Conversation],
                         results: Sequence[TurnResult]) -> list[ChatTurn]:
@@ -208,13 +215,47 @@ def turn_record(turn: ChatTurn) -> dict:
         "tpot_s": r.tpot_s,
         "latency_s": r.latency_s,
         "finish_reason": r.finish_reason,
+        "answer_step": turn.answer_step,
     }
 
 
-def config_figures(turns: Sequence[ChatTurn], longgen: Sequence[TurnResult]) -> dict:
-    """Every figure of one configuration that does not need another configuration."""
+LATE_ANSWER_STEPS = 24  # "answered only after >= 24 generated tokens"
+
+
+def answer_timing(turns: Sequence[ChatTurn],
+                  first_sparse: Callable[[int], int | None] | None = None) -> dict:
+    """Where the answers came in the output, per question style, and how many decode
+    steps before them attended a KV subset: ``first_sparse(prompt_tokens)`` is the
+    row's first sparse step (``DecodeConfig.first_sparse_step``); None for a dense row.
+    A step before the answer is one whose output token precedes the answer's first
+    token, the step that produced that token included."""
+    out: dict = {"by_style": {}}
+    steps = sparse = 0
+    for style in sorted({t.score.style for t in turns}):
+        at = [a for t in turns if t.score.style == style and (a := t.answer_step) is not None]
+        out["by_style"][style] = {
+            "n": sum(t.score.style == style for t in turns), "answered": len(at),
+            "median_step": median(at), "min_step": min(at, default=None),
+            "share_late": sum(a >= LATE_ANSWER_STEPS for a in at) / len(at) if at else None}
+    for t in turns:
+        a = t.answer_step
+        if a is None:
+            continue
+        steps += a
+        first = first_sparse(t.result.prompt_tokens) if first_sparse else None
+        sparse += max(0, a - first) if first is not None else 0
+    out.update(decode_steps_before_answer=steps, sparse_steps_before_answer=sparse,
+               sparse_share_before_answer=sparse / steps if steps else None)
+    return out
+
+
+def config_figures(turns: Sequence[ChatTurn], longgen: Sequence[TurnResult],
+                   first_sparse: Callable[[int], int | None] | None = None) -> dict:
+    """Every figure of one configuration that does not need another configuration;
+    ``first_sparse`` as in ``answer_timing``."""
     chat = [t.result for t in turns]
     return {
+        "answer_timing": answer_timing(turns, first_sparse),
         "accuracy": scoring.accuracy(t.score for t in turns),
         "accuracy_by_size": accuracy_by(turns, lambda t: t.size),
         "accuracy_by_history": accuracy_by(turns, lambda t: t.history, bucket_order()),

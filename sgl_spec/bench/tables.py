@@ -88,6 +88,47 @@ def agreement_table(configs: list[dict], reference: str | None) -> list[str]:
     return table(header, rows)
 
 
+def gap_table(configs: list[dict], reference: str | None, baseline: str | None
+              ) -> list[str]:
+    """Per row: exact match minus the reference's per position (points), greedy
+    agreement on the QA chat, and QA-chat TTFT / TPOT against the baseline."""
+    from sgl_spec.bench.results import position_deltas
+
+    ref = next((c for c in configs if c["name"] == reference), None)
+    rows = []
+    for c in configs:
+        deltas = position_deltas(c, ref) if ref is not None else {}
+        agree = (c.get("agreement") or {}).get("chat")
+        r = c.get("chat_ratio") or {}
+        rows.append([c["name"], *("-" if (d := deltas.get(p)) is None else f"{d:+.1f}"
+                                  for p in POSITIONS),
+                     _agree_cells(agree)[0] if c is not ref else "(reference)",
+                     ratio(r.get("ttft_turn1_mean_s")), ratio(r.get("ttft_later_mean_s")),
+                     ratio(r.get("tpot_median_s"))])
+    return table(["configuration", *(f"EM gap {p} (pts)" for p in POSITIONS),
+                  "answers identical", f"TTFT turn 1 / {baseline}",
+                  f"TTFT turns >= 2 / {baseline}", f"TPOT / {baseline}"], rows)
+
+
+def answer_timing_table(configs: list[dict]) -> list[str]:
+    """Where the answers came and how much of the decoding before them was sparse."""
+    rows = []
+    for c in configs:
+        t = c.get("answer_timing") or {"by_style": {}}
+        cells = []
+        for style in ("short", "long"):
+            s = t["by_style"].get(style)
+            cells.append("-" if not s else
+                         f"{num(s['median_step'], digits=0)} (>= 24: "
+                         f"{num(s['share_late'])}, n={s['answered']}/{s['n']})")
+        share = t.get("sparse_share_before_answer")
+        rows.append([c["name"], *cells,
+                     f"{t.get('sparse_steps_before_answer', 0)}/"
+                     f"{t.get('decode_steps_before_answer', 0)} ({num(share)})"])
+    return table(["configuration", "short answers: median step", "long answers: median step",
+                  "sparse / all decode steps before the answers"], rows)
+
+
 def sparse_cell(counts: dict | None) -> str:
     """``sparse / all decode steps (share)`` of a ``sparse_counters.delta``; '-' for a
     server without sgl_spec's sparse-decode counters."""
@@ -261,6 +302,15 @@ def markdown(results: dict) -> str:
         "History length: the prompt's tokens at that turn (earlier turns included).", "",
         *history_accuracy_table(configs), "",
     ]
+    if ref is not None and len(configs) > 1:
+        lines += ["## Gap to the reference, by position, with speed", "",
+                  f"EM gap: exact match minus `{ref}`'s, in points; ratios against "
+                  f"`{results.get('baseline')}` on the QA chat (mean TTFT, median TPOT).", "",
+                  *gap_table(configs, ref, results.get("baseline")), ""]
+    lines += ["## When the answers came", "",
+              "Output tokens before the gold answer (median); decode steps before the "
+              "answers that attended a KV subset, from each row's own --spec-* flags.", "",
+              *answer_timing_table(configs), ""]
     if len(configs) > 1 or ref is not None:
         lines += [f"## Greedy agreement with `{ref}`", "",
                   "Each configuration plays its own answers as the chat history.", "",
