@@ -4,6 +4,7 @@ output and how much decoding before them was sparse, the config set and its quic
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -176,3 +177,17 @@ def test_only_some_rows_keeps_baseline_and_reference():
     assert s.within_points == (("loopserve B=1024", 3),)
     with pytest.raises(ValueError, match=r"has no row\(s\) \['loopserve B=4096'\]; valid: "):
         configset.load(LONG_SET).only(["loopserve B=4096"])
+
+
+def test_long_subjects_share_no_words_within_a_conversation(tok):
+    cfg = dataclasses.replace(DatasetConfig.preset("long-context-quick"), facts_per_turn=4)
+    for conv in dataset.generate(cfg, tok):
+        quals = [f.qualifier for t in conv.turns for f in t.facts]
+        assert len(quals) == 8
+        for part in ("that ", " wrote in ", " during "):
+            pieces = [q.split(part)[-1].split(" wrote in ")[0].split(" during ")[0]
+                      for q in quals]
+            assert len(set(pieces)) == len(pieces), pieces
+    with pytest.raises(ValueError, match="distinct for at most 8 facts per conversation, "
+                                         "got 5 \\* 2"):
+        dataclasses.replace(cfg, facts_per_turn=5)

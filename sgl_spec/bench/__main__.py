@@ -40,9 +40,9 @@ def build_parser():
         "configuration of a configuration file, side by side in one run. On 2 CPU cores "
         "the quick plan takes ~2 min a configuration; a configuration set's [plan] "
         "table chooses what is played.")
-    p.add_argument("--configs", metavar="FILE", default=configset.DEFAULT_PATH,
+    p.add_argument("--configs", metavar="FILE",
                    help="TOML configuration set (default: the built-in baseline, "
-                   "%(default)s)")
+                   f"{configset.DEFAULT_PATH}); with --url only its [plan] is used")
     p.add_argument("--url", metavar="URL",
                    help="play on this running OpenAI-compatible server instead of starting "
                    "servers (e.g. http://127.0.0.1:30000)")
@@ -92,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        sets = None if args.url else configset.load(args.configs)
+        sets = None if args.url else configset.load(args.configs or configset.DEFAULT_PATH)
         if sets is not None and args.rows:
             sets = sets.only(args.rows)
-        plan = run_plan.choose(sets.plan if sets else None, args.quick, args.concurrency)
+        set_plan = (sets.plan if sets else
+                    configset.load(args.configs).plan if args.configs else None)
+        plan = run_plan.choose(set_plan, args.quick, args.concurrency)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
 

@@ -64,13 +64,18 @@ KINDS: dict[str, tuple[str, str]] = {
 LONG_INSTRUCTION = ("Answer with one full sentence that repeats the whole subject of the "
                     "question, then the {what}.")
 # Long subjects: "that <who> wrote in <where> during <when>" (~18 words with the key).
+# No part repeats within a conversation, so that two facts never share a subject's words.
 _WHO = ("the harbour council", "the old lighthouse keeper", "the village schoolteacher",
-        "the travelling merchant", "the county surveyor", "the night watchman")
-_WHERE = ("its winter maintenance ledger", "the margin of a faded shipping map",
+        "the travelling merchant", "the county surveyor", "the night watchman",
+        "the retired sea captain", "the young apprentice baker")
+_WHERE = ("a winter maintenance ledger", "the margin of a faded shipping map",
           "a sealed letter to the mayor", "the back page of the parish register",
-          "a notebook kept under the counter", "the minutes of the spring assembly")
+          "a notebook kept under the counter", "the minutes of the spring assembly",
+          "a postcard sent from the coast", "the cover of an old hymn book")
 _WHEN = ("the long storm of the northern autumn", "the first week of the harvest fair",
-         "the quiet months after the flood", "the annual inspection of the bridges")
+         "the quiet months after the flood", "the annual inspection of the bridges",
+         "the hottest summer anyone remembered", "the night the mill burned down",
+         "the wedding of the miller's daughter", "the last days of the fishing season")
 # Chat-template tokens around each message (SmolLM2: "<|im_start|>user\n...<|im_end|>\n").
 TEMPLATE_TOKENS = 24
 MIN_TURN_TOKENS = 200
@@ -133,6 +138,9 @@ class DatasetConfig:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if not 0.0 <= self.long_answer_share <= 1.0:
             raise ValueError(f"long_answer_share must be in [0, 1], got {self.long_answer_share}")
+        if self.long_answer_share > 0 and self.facts_per_turn * self.turns[1] > len(_WHO):
+            raise ValueError(f"long subjects are distinct for at most {len(_WHO)} facts per "
+                             f"conversation, got {self.facts_per_turn} * {self.turns[1]}")
         need = self.turns[1] * (max(self.tokens_per_turn) + self.max_tokens + TEMPLATE_TOKENS)
         if need > self.context_len:
             raise ValueError(
@@ -150,7 +158,8 @@ class DatasetConfig:
         4200- or 8000-token messages, so 4k-16k tokens precede each question, 18 per
         position, half in the long style; ``long-context-quick``: 3 of them."""
         long_context = cls(conversations=27, turns=(2, 2), tokens_per_turn=(4200, 8000),
-                           max_tokens=64, long_answer_share=0.5, context_len=32768)
+                           facts_per_turn=1, max_tokens=64, long_answer_share=0.5,
+                           context_len=32768)
         presets = {
             "default": cls(),
             "long-turns": cls(conversations=27, turns=(2, 2), tokens_per_turn=(2300, 3000)),
@@ -324,8 +333,11 @@ def _conversation(tokenizer: corpus.Tokenizer, name: str, seed: int, n_turns: in
     objects = rng.sample(OBJECTS, n_facts)
     colours = [rng.choice(COLOURS) for _ in range(n_facts)]
     kinds = [rng.choice(sorted(KINDS)) for _ in range(n_facts)]
-    qualifiers = [f"that {rng.choice(_WHO)} wrote in {rng.choice(_WHERE)} during "
-                  f"{rng.choice(_WHEN)}" if long_subjects else "" for _ in range(n_facts)]
+    qualifiers = [""] * n_facts
+    if long_subjects:
+        parts = zip(rng.sample(_WHO, n_facts), rng.sample(_WHERE, n_facts),
+                    rng.sample(_WHEN, n_facts))
+        qualifiers = [f"that {who} wrote in {where} during {when}" for who, where, when in parts]
 
     # Which fact each turn asks: a fact of this turn, or an earlier one not yet asked.
     asked: list[int] = []
