@@ -1,11 +1,12 @@
-"""Decode speed against history length: stock sglang, sgl_spec exact, sgl_spec loopserve.
+"""Decode speed against history length: stock sglang, sgl_spec exact, the sparse modes.
 
     python -m sgl_spec.bench.decode_sweep --out results/decode-sweep [--quick]
     python -m sgl_spec.bench.decode_sweep --out results/x --rows stock loopserve-B-1024 \\
         --histories 512 7168 --batches 1 --new-tokens 256 --repeats 2 --rounds 3
 
 One server at a time (``CONFIGS``, or the ``--rows`` picked, ``sgl_spec exact`` always
-kept; the last row decodes exactly after a LoopServe sparse prefill). For each history
+kept; one row decodes exactly after a LoopServe sparse prefill; the sparse modes
+``SPARSE_ROWS`` keep the same KV: B=1024, or StreamingLLM's sink + 1088). For each history
 length and batch size: flush the cache, send each prompt once with
 ``max_new_tokens=1`` (its prefix is then cached, so prefill is excluded), then time
 streamed /generate requests of N new tokens (greedy, ``ignore_eos``). Per request,
@@ -44,6 +45,8 @@ STOCK = "stock"
 EXACT = "sgl_spec exact"
 LOOPSERVE = "loopserve B=1024"
 PREFILL = "loopserve-prefill a=0.97"
+SNAPKV = "snapkv B=1024"
+STREAMING = "streaming B=1024"
 CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig(STOCK, "stock"),
     ServerConfig(EXACT, "sgl_spec", ("--spec-mode", "exact")),
@@ -52,10 +55,16 @@ CONFIGS: tuple[ServerConfig, ...] = (
     # lines): its decode must run as fast as sgl_spec exact's.
     ServerConfig(PREFILL, "sgl_spec",
                  ("--spec-prefill", "loopserve", "--spec-prefill-alpha", "0.97")),
+    ServerConfig(SNAPKV, "sgl_spec", ("--spec-mode", "snapkv", "--spec-budget", "1024")),
+    # The same KV as the others: sink + a 1088-position window (configs/sparse-decode.toml).
+    ServerConfig(STREAMING, "sgl_spec",
+                 ("--spec-mode", "streaming", "--spec-window", "1088", "--spec-budget", "1")),
 )
 KEEP: tuple[str, ...] = (EXACT,)  # always run, whatever --rows says
-RATIOS: tuple[tuple[str, str], ...] = ((LOOPSERVE, STOCK), (LOOPSERVE, EXACT),
-                                       (EXACT, STOCK), (PREFILL, EXACT))
+SPARSE_ROWS: tuple[str, ...] = (LOOPSERVE, SNAPKV, STREAMING)
+RATIOS: tuple[tuple[str, str], ...] = (
+    *((row, base) for row in SPARSE_ROWS for base in (STOCK, EXACT)),
+    (EXACT, STOCK), (PREFILL, EXACT))
 # Rows whose per-start ratios are tabulated against every other row's.
 START_BASELINES: tuple[str, ...] = (STOCK, EXACT)
 PNG = "decode_speed.png"
@@ -264,7 +273,7 @@ def markdown(res: dict) -> str:
              f"cached. Run time {meta['duration_s'] / 60:.1f} min; load "
              f"{meta['load_average_before']} -> {meta['load_average_after']}.", "",
              *_point_table(configs, [*_field(configs, "tok_s_median"), *ratio_cols,
-                                     *_field(configs, "decode_steps", (LOOPSERVE,))]), "",
+                                     *_field(configs, "decode_steps", SPARSE_ROWS)]), "",
              "Sparse steps: request-steps that attended a sparse subset / all "
              "decode request-steps of the point (timed rounds).", ""]
     late = res.get("late_ratios")
