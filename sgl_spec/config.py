@@ -22,7 +22,9 @@ from typing import NamedTuple
 from sgl_spec import envs
 
 # Decode modes: "exact" (dense) and the selection policies of sgl_spec.sparse.
-MODES = ("exact", "streaming", "snapkv", "loopserve")
+MODES = ("exact", "streaming", "snapkv", "loopserve", "specontext")
+# How SpeContext's elastic loads reach the staging buffers (sgl_spec.attention.prefetch).
+PREFETCH = ("auto", "inline", "thread", "stream")
 # Radix-cache eviction orders.
 CACHE_EVICTIONS = ("lru", "turn")
 # Prefill attention: "exact" (dense) or LoopServe's online vertical/slash lines.
@@ -35,7 +37,7 @@ class Flag(NamedTuple):
     name: str
     section: str  # "cache", "decode", "prefill" or "" (SpecConfig itself)
     field: str
-    kind: str  # "choice", "int", "fraction" or "bool"
+    kind: str  # "choice", "int", "fraction", "bool" or "path"
     help: str
     choices: tuple[str, ...] = ()
     lo: int = 0  # "int": the smallest valid value
@@ -47,8 +49,10 @@ FLAGS: tuple[Flag, ...] = (
          "falls back to); 'streaming' attends the sink and a recent window "
          "(StreamingLLM); 'snapkv' selects --spec-budget positions per KV head once, "
          "from the last prompt window (SnapKV); 'loopserve' reselects them from the "
-         "last --spec-nd decoded queries (LoopServe Sec 5.3). Sparse modes run on CPU; "
-         "on CUDA hosts decode stays exact.", MODES),
+         "last --spec-nd decoded queries (LoopServe Sec 5.3); 'specontext' selects them "
+         "before every step with a retrieval head, one selection for all layers, and "
+         "loads only what changed (SpeContext). Sparse modes run on CPU; on CUDA hosts "
+         "decode stays exact.", MODES),
     Flag("--spec-budget", "decode", "budget", "int",
          "Sparse modes: history positions selected per KV head and layer (B).", lo=1),
     Flag("--spec-sink", "decode", "sink", "int",
@@ -61,6 +65,18 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
+    Flag("--spec-draft-path", "decode", "draft_path", "path",
+         "specontext: the retrieval head, an EAGLE-3 draft checkpoint directory "
+         "(LlamaForCausalLMEagle3, as for --speculative-draft-model-path) or one written "
+         "by 'python -m sgl_spec.train_head'. Empty: the head trained for --model-path, "
+         "prepared once into the cache dir."),
+    Flag("--spec-prefetch", "decode", "prefetch", "choice",
+         "specontext: how each step's changed KV rows reach the staging buffers. 'inline' "
+         "copies a layer's rows right before its attention; 'thread' copies every layer's "
+         "from a worker thread while earlier layers compute; 'stream' on a CUDA side "
+         "stream; 'auto' is stream on CUDA, inline on CPU (whether 'thread' pays on a "
+         "CPU is not yet measured).",
+         PREFETCH),
     Flag("--spec-cache-eviction", "cache", "eviction", "choice",
          "Radix-cache eviction order. 'lru' is stock sglang's (identical evictions, "
          "sglang's compiled tree core); 'turn' evicts dead reasoning branches "
@@ -112,6 +128,8 @@ def _check(section: str, obj) -> None:
             raise ValueError(f"{flag.name} {v!r} is invalid; valid range: a number in (0, 1]")
         if flag.kind == "bool" and not isinstance(v, bool):
             raise ValueError(f"{flag.name} {v!r} is invalid; valid values: true, false")
+        if flag.kind == "path" and not isinstance(v, str):
+            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: a directory path")
 
 
 @dataclass(frozen=True)
@@ -137,12 +155,21 @@ class DecodeConfig:
     nd: int = 16
     min_context: int = 2048
     first_select_step: int = 16
+    draft_path: str = ""
+    prefetch: str = "auto"
 
     def __post_init__(self):
         _check("decode", self)
         n = self.first_select_step
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"first_select_step {n!r} is invalid; valid range: integers >= 0")
+        if self.mode != "specontext":
+            for flag, value, default in (("--spec-draft-path", self.draft_path, ""),
+                                         ("--spec-prefetch", self.prefetch, "auto")):
+                if value != default:
+                    raise ValueError(f"{flag} is read only with --spec-mode specontext "
+                                     f"(got --spec-mode {self.mode}); valid: drop it, or "
+                                     "--spec-mode specontext")
 
     def use_exact(self, seq_len: int) -> bool:
         """Whether a history of ``seq_len`` positions decodes densely: short histories
@@ -158,6 +185,12 @@ class DecodeConfig:
         if self.mode == "exact" or self.use_exact(prompt_len):
             return None
         return self.first_select_step if self.mode == "loopserve" else 0
+
+    @property
+    def retrieval_head(self) -> bool:
+        """Whether the server runs SpeContext's retrieval head (and keeps its K in the
+        KV pool as one extra layer)."""
+        return self.mode == "specontext"
 
 
 @dataclass(frozen=True)
@@ -254,6 +287,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         elif flag.kind == "choice":
             group.add_argument(flag.name, dest=dest, type=str, default=default,
                                choices=flag.choices, help=f"{flag.help} Default: {default}.")
+        elif flag.kind == "path":
+            group.add_argument(flag.name, dest=dest, type=str, default=default, metavar="DIR",
+                               help=f"{flag.help} Default: {default or 'none'}.")
         else:
             valid = (f"Integer >= {flag.lo}" if flag.kind == "int" else "Number in (0, 1]")
             group.add_argument(flag.name, dest=dest, type=_number_or_text(flag.kind),

@@ -8,7 +8,10 @@ environment. Defaults that differ from stock sglang (only where not given):
 * ``--attention-backend sgl_spec`` and ``--radix-cache-backend sgl_spec``
   (with ``--spec-disable``: stock components, torch_native attention on CPU);
 * on CPU hosts: ``--device cpu`` and ``--max-total-tokens 32768`` (stock sglang
-  sizes a 15 GB KV pool on these machines).
+  sizes a 15 GB KV pool on these machines);
+* ``--spec-mode specontext`` without ``--spec-draft-path``: the retrieval head trained
+  for the model (``sgl_spec.train_head``), once, into the cache dir; on GPU hosts
+  ``--disable-cuda-graph`` (the head runs in Python before each step).
 """
 
 from __future__ import annotations
@@ -60,7 +63,40 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
     if cfg.disable and cfg.prefill.mode != "exact":
         logger.warning("--spec-prefill %s has no effect with --spec-disable (stock "
                        "components prefill exactly)", cfg.prefill.mode)
+    if cfg.decode.draft_path:
+        from sgl_spec.head.config import HeadConfig
+
+        try:
+            HeadConfig.load(cfg.decode.draft_path)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--spec-draft-path {cfg.decode.draft_path!r}: {exc}")
     return cfg, rest
+
+
+def _value(argv: list[str], *options: str) -> str | None:
+    """The value of the last of ``options`` in ``argv`` (``--opt v`` or ``--opt=v``)."""
+    found = None
+    for i, a in enumerate(argv):
+        name, eq, val = a.partition("=")
+        if name in options:
+            found = val if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found
+
+
+def with_head(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
+    """``cfg`` with the retrieval head's path filled in where specontext needs one:
+    the head trained for the served model, prepared once (progress bar)."""
+    if cfg.disable or not cfg.decode.retrieval_head or cfg.decode.draft_path:
+        return cfg
+    import dataclasses
+
+    from sgl_spec.train_head import prepare
+
+    model = _value(argv, "--model-path", "--model")
+    logger.info("--spec-mode specontext without --spec-draft-path: the retrieval head "
+                "trained for %s (trained once, then reused)", model)
+    return dataclasses.replace(
+        cfg, decode=dataclasses.replace(cfg.decode, draft_path=prepare(model)))
 
 
 def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list[str]:
@@ -74,6 +110,8 @@ def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list
         out += ["--device", "cpu"]
     if cpu and not _given(out, "--max-total-tokens"):
         out += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    if not cpu and cfg.decode.retrieval_head and not _given(out, "--disable-cuda-graph"):
+        out.append("--disable-cuda-graph")
     if not _given(out, "--attention-backend"):
         if not cfg.disable:
             out += ["--attention-backend", NAME]
@@ -99,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     cfg, rest = split_argv(argv)  # bad --spec-* flags fail before sglang loads
     plugin.register()  # makes "sgl_spec" a valid --attention-backend choice
+    argv = sglang_argv(cfg, rest, cpu=not cuda_host())
+    cfg = with_head(cfg, argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
-    server.serve(sglang_argv(cfg, rest, cpu=not cuda_host()), add_route=not cfg.disable)
+    server.serve(argv, add_route=not cfg.disable)
 
 
 if __name__ == "__main__":

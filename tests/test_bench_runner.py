@@ -175,10 +175,27 @@ def test_sparse_counters_parse_and_delta():
     assert sparse_counters.parse("sglang:num_running_reqs 0.0\n") is None  # stock, exact
     before = sparse_counters.SparseCounters(25.0, 10.0, 2.0)
     assert sparse_counters.delta(after, before) == {
-        "sparse_steps": 100, "decode_steps": 120, "reselections": 6, "sparse_share": 100 / 120}
+        "sparse_steps": 100, "decode_steps": 120, "reselections": 6, "sparse_share": 100 / 120,
+        "rows_loaded_per_step": None, "selection_overlap": None, "head_ms_per_pass": None}
     assert sparse_counters.delta(after, None)["decode_steps"] == 155
     assert sparse_counters.delta(None, before) is None
     assert sparse_counters.delta(before, before)["sparse_share"] is None  # no decode steps
+
+
+def test_specontext_histograms_give_means_per_step():
+    text = PROM + ("sgl_spec:specontext_rows_loaded_sum 300.0\n"
+                   "sgl_spec:specontext_rows_loaded_count 10.0\n"
+                   "sgl_spec:specontext_selection_overlap_sum 7.5\n"
+                   "sgl_spec:specontext_selection_overlap_count 9.0\n"
+                   "sgl_spec:specontext_head_seconds_sum 0.02\n"
+                   "sgl_spec:specontext_head_seconds_count 10.0\n")
+    before = sparse_counters.SparseCounters(25.0, 10.0, 2.0, 100.0, 5.0, 1.5, 3.0, 0.01, 5.0)
+    d = sparse_counters.delta(sparse_counters.parse(text), before)
+    assert d["rows_loaded_per_step"] == pytest.approx(40.0)
+    assert d["selection_overlap"] == pytest.approx(1.0)
+    assert d["head_ms_per_pass"] == pytest.approx(2.0)
+    configs = [{"name": "specontext B=1024", "sparse_decode": {"chat": d, "longgen": None}}]
+    assert tables.elastic_table(configs)[2] == "| specontext B=1024 | chat | 40.0 | 1.000 | 2.00 |"
 
 
 def test_sparse_counters_read_without_metrics():

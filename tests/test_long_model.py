@@ -13,7 +13,7 @@ import requests
 
 from conftest import COMMON_FLAGS, _log_path
 from sgl_spec import model_sources
-from sgl_spec.bench import corpus
+from sgl_spec import corpus
 from sgl_spec.bench.dataset import Fact
 from sgl_spec.bench.server import SPEC, ServerProcess
 from sgl_spec.cache.segment import segment

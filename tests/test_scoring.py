@@ -124,7 +124,7 @@ def test_longgen_prompts():
     assert any("List 300 different animals" in p.prompt for p in prompts)
     work = prompts[0].to_workload()
     assert work.name == "longgen-animals" and work.user_turns == (prompts[0].prompt,)
-    with pytest.raises(ValueError, match=r"\['default', 'long-context', 'quick'\]"):
+    with pytest.raises(ValueError, match=r"\['default', 'long-context', 'quick', 'reasoning', 'reasoning-x4'\]"):
         longgen.prompts("long")
 
 

@@ -328,11 +328,13 @@ def test_batch_view_reads_the_forward_batch():
         forward_mode=ForwardMode.EXTEND, rids=["a", "b"], seq_lens_cpu=torch.tensor([40, 8]),
         seq_lens=torch.tensor([40, 8]), req_pool_indices=torch.tensor([3, 4]),
         extend_seq_lens_cpu=[40, 8], extend_seq_lens=torch.tensor([40, 8]),
-        contains_last_prefill_chunk=False,
+        contains_last_prefill_chunk=False, input_ids=torch.arange(48),
+        out_cache_loc=torch.arange(100, 148),
     )
     v = batch_view(fb, r2t)
     assert (v.mode, v.rids, v.seq_lens, v.pool_rows, v.extend_lens, v.final_chunk) == (
         "extend", ("a", "b"), (40, 8), (3, 4), (40, 8), False)
+    assert v.input_ids is fb.input_ids and v.out_cache_loc is fb.out_cache_loc
     assert v.req_to_token is r2t and v.rows.tolist() == [3, 4] and v.prefix_lens == (0, 0)
     fb.forward_mode, fb.seq_lens_cpu = ForwardMode.DECODE, torch.tensor([41, 9])
     v = batch_view(fb, r2t)

@@ -31,7 +31,7 @@ from sgl_spec.sparse.slots import BufferSpec
 
 SHAPE = AttnShape(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16)
 CFG = DecodeConfig(budget=8, sink=2, window=4, nd=16, first_select_step=16, min_context=32)
-POLICIES = ("streaming", "snapkv", "loopserve")
+POLICIES = ("streaming", "snapkv", "loopserve", "specontext")
 
 
 def unit_dirs(seed: int) -> torch.Tensor:  # [Hkv, D] one unit direction per KV head

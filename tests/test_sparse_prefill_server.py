@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from conftest import COMMON_FLAGS, _log_path
-from sgl_spec.bench import corpus
+from sgl_spec import corpus
 from sgl_spec.bench.dataset import Fact
 from sgl_spec.bench.server import SPEC, ServerProcess
 

@@ -25,7 +25,15 @@ import importlib
 
 import torch
 
-from .common import DecodeSubsets, check_inputs, check_out, dense_subsets, dims_of, subset_positions
+from .common import (
+    DecodeSubsets,
+    check_inputs,
+    check_out,
+    dense_subsets,
+    dims_of,
+    subset_positions,
+    take_rows,
+)
 
 # impl name -> (module, function)
 _IMPLS = {
@@ -37,7 +45,7 @@ _IMPLS = {
 IMPLS = tuple(_IMPLS)
 
 __all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "default_impl", "dense_subsets",
-           "sparse_decode", "subset_positions"]
+           "sparse_decode", "subset_positions", "take_rows"]
 
 # Every implementation is ``fn(q, k_buf, v_buf, subsets, dims, *, scale, out)``: inputs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.

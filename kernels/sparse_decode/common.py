@@ -58,6 +58,15 @@ def dense_subsets(
     )
 
 
+def take_rows(sub: DecodeSubsets, idx: torch.Tensor) -> DecodeSubsets:
+    """The subsets of the batch rows ``idx`` ([R] int64), in that order."""
+    return sub._replace(rows=sub.rows.index_select(0, idx),
+                        seq_lens=sub.seq_lens.index_select(0, idx),
+                        sel_idx=sub.sel_idx.index_select(0, idx),
+                        sel_len=sub.sel_len.index_select(0, idx),
+                        recent_start=sub.recent_start.index_select(0, idx))
+
+
 class Dims(NamedTuple):
     batch: int
     num_q_heads: int

@@ -19,11 +19,15 @@ __all__ = ["AttentionCore", "build_core"]
 
 
 def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
-               enable_metrics: bool = False) -> AttentionCore:
+               enable_metrics: bool = False, head=None, pool_layers=None,
+               impl: str | None = None) -> AttentionCore:
     """The attention path of ``cfg``: exact or sparse decode, exact or sparse prefill.
 
     A sparse decode policy's states are freed through ``sgl_spec.requests.HUB``'s
     releases (the radix cache's); with another tree cache, by the stale-rid fallback.
+    ``head``: the retrieval head (``sgl_spec.head.runtime.HeadRuntime``) that
+    ``specontext`` needs; ``pool_layers(layer) -> (K, V)``: the KV pool, for its
+    prefetcher; ``impl``: the decode kernel (None: the fastest for the device).
     """
     policy, metrics = None, None
     if cfg.decode.mode != "exact":
@@ -34,7 +38,16 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
             from .metrics import SparseMetrics
 
             metrics = SparseMetrics()
-    decoder = Decoder(shape, policy, metrics=metrics)
+    if cfg.decode.retrieval_head:
+        if head is None:
+            raise ValueError("--spec-mode specontext needs a retrieval head")
+        policy.attach(head)
+        if enable_metrics:
+            from .metrics import SpeContextMetrics
+
+            policy.metrics = SpeContextMetrics()
+    decoder = Decoder(shape, policy, impl=impl, metrics=metrics, prefetch=cfg.decode.prefetch,
+                      pool_layers=pool_layers)
     if policy is not None:
         HUB.add_release_listener(decoder.release)
     prefill = None
@@ -42,7 +55,7 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)
     logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s", cfg.decode.mode,
                 cfg.decode, cfg.prefill.mode, shape)
-    return AttentionCore(decoder, prefill)
+    return AttentionCore(decoder, prefill, head if cfg.decode.retrieval_head else None)
 
 
 def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,

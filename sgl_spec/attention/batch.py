@@ -25,6 +25,8 @@ class BatchView:
     req_to_token: torch.Tensor | None = None  # [max_reqs, max_context] int32, device
     rows: torch.Tensor | None = None  # [B] int64 device: pool_rows
     seq_lens_t: torch.Tensor | None = None  # [B] int64 device: seq_lens
+    input_ids: torch.Tensor | None = None  # [T] device: the pass's tokens (decode: T = B)
+    out_cache_loc: torch.Tensor | None = None  # [T] device: their KV pool slots
 
     def __post_init__(self):
         if self.mode not in MODES:

@@ -5,8 +5,10 @@ calls ``plan`` (once per pass, before the layers); each layer then writes its K/
 makes one ``run`` call with the plan. The plan holds everything the layers
 share: the decode subsets and policy row groups (``decode.Decoder``), the extend
 spans, LoopServe's sparse extends with their seeds (``prefill.SparsePrefill``) and the
-prompts a policy scores (SnapKV). Retrieval heads, round selections and tiered KV
-plug in here as further parts of the plan.
+prompts a policy scores (SnapKV). A retrieval head (SpeContext) is told every pass's
+token layout before the layers (``begin_pass``: the model's layer hooks then feed it)
+and selects for the decoder's plan. Round selections and tiered KV plug in here as
+further parts of the plan.
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ class AttentionPlan(NamedTuple):
 class AttentionCore:
     """Not thread-safe: the scheduler thread that runs the forward pass owns it."""
 
-    def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None):
+    def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None, head=None):
         self.decoder = decoder
         self.prefill = prefill
+        self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
 
     def plan(self, batch: BatchView) -> AttentionPlan:
+        if self.head is not None:
+            self.head.begin_pass(batch)
         if batch.mode == "decode":
             return AttentionPlan(decode=self.decoder.plan(batch))
         if batch.mode != "extend":

@@ -27,7 +27,7 @@ Tensors passed in are read, never kept, except ``out``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -39,6 +39,7 @@ from sgl_spec.kernels.sparse_decode import (
     default_impl,
     dense_subsets,
     sparse_decode,
+    take_rows,
 )
 from sgl_spec.sparse.policy import (
     EXACT_STEP,
@@ -49,7 +50,13 @@ from sgl_spec.sparse.policy import (
     SelectionPolicy,
 )
 
+from sgl_spec.sparse.elastic import ElasticPass
+
 from .batch import BatchView
+from .prefetch import get_prefetcher
+
+# layer -> (K pool, V pool) of that layer, [num_slots, Hkv, D]
+PoolLayers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +100,20 @@ class ScoreRow(NamedTuple):
     q_end: int
 
 
+class Staged(NamedTuple):
+    """A pass whose sparse rows attend their elastic staging rows (SpeContext)."""
+
+    elastic: ElasticPass
+    rest: tuple[torch.Tensor, DecodeSubsets] | None  # the other rows: [R'] idx, subsets
+
+
 class DecodePlan(NamedTuple):
     subsets: DecodeSubsets  # all rows; sel_idx is filled per layer when `sparse` is set
-    sparse: Group | None = None  # rows attending a selection (policy width > 0)
+    sparse: Group | None = None  # rows attending a selection read per layer (policy width > 0)
     observe: tuple[Group, torch.Tensor] | None = None  # rows whose queries are kept, ring idx
     # + the rows' key slots: [R, N], or a slice of the pool for one row on contiguous slots
     reselect: tuple[Group, ReselectBatch, torch.Tensor | slice] | None = None
+    staged: Staged | None = None
 
 
 class Decoder:
@@ -110,6 +125,8 @@ class Decoder:
         impl: str | None = None,  # kernel impl; None: default_impl, fixed at the first run
         metrics: Metrics | None = None,
         stale_after: int = STALE_AFTER,
+        prefetch: str = "auto",  # elastic loads (policies that stage KV): prefetch.PREFETCHERS
+        pool_layers: PoolLayers | None = None,  # the KV pool by layer, for prefetchers
     ):
         if stale_after < 1:
             raise ValueError(f"stale_after must be >= 1, got {stale_after}")
@@ -121,6 +138,13 @@ class Decoder:
         self.metrics = metrics
         self.stale_after = stale_after
         self.stats = DecodeStats()
+        self.pool_layers = pool_layers
+        self.prefetcher = None
+        if policy is not None and policy.stages_kv:
+            self.prefetcher = get_prefetcher(prefetch, policy.slots.device)
+            if self.prefetcher.needs_buffers and pool_layers is None:
+                raise ValueError(f"--spec-prefetch {prefetch} needs the KV pool's layers "
+                                 "(pool_layers); valid without them: auto, inline")
         self._forward = 0  # forward passes planned
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
         self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
@@ -188,6 +212,12 @@ class Decoder:
         if sparse:
             plan = plan._replace(subsets=self._sparse_subsets(batch, steps),
                                  sparse=group(sparse))
+            if self.policy.selects_per_pass:  # one selection, made now, for every layer
+                sel = self.policy.select_pass(batch, sparse)
+                plan.subsets.sel_idx.index_copy_(0, plan.sparse.idx, sel)
+                staged = self._stage(batch, sparse, sel, plan.subsets) \
+                    if self.policy.stages_kv else None
+                plan = plan._replace(sparse=None, staged=staged)
         if observe:
             plan = plan._replace(observe=(group(observe),
                                           _ints([steps[b].observe for b in observe], dev)))
@@ -227,6 +257,22 @@ class Decoder:
         return DecodeSubsets(batch.req_to_token, batch.rows, batch.seq_lens_t, sel,
                              sel_len.contiguous(), recent, self.policy.cfg.sink)
 
+    def _stage(self, batch: BatchView, sparse: list[int], sel: torch.Tensor,
+               sub: DecodeSubsets) -> Staged:
+        """Plan the elastic loads of the sparse rows and start their prefetch."""
+        ep = self.policy.stage(batch, sparse, sel)
+        self.prefetcher.start(ep.ahead, self.shape.num_layers,
+                              self._layer_buffers if self.prefetcher.needs_buffers else None)
+        rest = None
+        if len(sparse) < batch.size:
+            kept = set(sparse)
+            idx = _ints([b for b in range(batch.size) if b not in kept], batch.rows.device)
+            rest = (idx, take_rows(sub, idx))
+        return Staged(ep, rest)
+
+    def _layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
+        return (*self.policy.stage_buffers(layer), *self.pool_layers(layer))
+
     def _count(self, exact: int, selected: list[int]) -> None:
         self.stats.exact_steps += exact
         self.stats.sparse_steps += len(selected)
@@ -246,7 +292,15 @@ class Decoder:
         out: torch.Tensor,  # [B, Hq, Dv], q.dtype: written
         scale: float,
     ) -> torch.Tensor:
-        """One layer of the pass: the policy's batched calls, then one kernel call."""
+        """One layer of the pass: the policy's batched calls, then one kernel call (two
+        where staged rows and others share the pass)."""
+        if self.impl is None:
+            self.impl = default_impl(q, k_buf, v_buf)
+        # The pass's first run checks the subsets against the pool; the others reuse them.
+        check = plan is not self._checked
+        self._checked = plan
+        if plan.staged is not None:
+            return self._run_staged(plan.staged, layer, q, k_buf, v_buf, out, scale, check)
         sub = plan.subsets
         if plan.observe is not None:
             group, ring = plan.observe
@@ -262,13 +316,27 @@ class Decoder:
         if plan.sparse is not None and sub.sel_idx.shape[2]:
             sel = self.policy.selection(layer, plan.sparse.slots)
             sub.sel_idx.index_copy_(0, plan.sparse.idx, sel)
-        if self.impl is None:
-            self.impl = default_impl(q, k_buf, v_buf)
-        # The pass's first run checks the subsets against the pool; the others reuse them.
-        check = plan is not self._checked
-        self._checked = plan
         return sparse_decode(q, k_buf, v_buf, sub, scale=scale, impl=self.impl, out=out,
                              check=check)
+
+    def _run_staged(self, st: Staged, layer: int, q, k_buf, v_buf, out, scale: float,
+                    check: bool) -> torch.Tensor:
+        """Staged rows attend their S staging rows (the prefetched loads, then the
+        decoded token's row, which this layer just wrote); the others the pool."""
+        ep = st.elastic
+        sk, sv = self.policy.stage_buffers(layer)
+        self.prefetcher.wait(layer, (sk, sv, k_buf, v_buf))
+        ep.current.copy(sk, k_buf)
+        ep.current.copy(sv, v_buf)
+        if st.rest is None:  # every row staged
+            return sparse_decode(q, sk, sv, ep.subsets, scale=scale, impl=self.impl, out=out,
+                                 check=check)
+        out.index_copy_(0, ep.idx, sparse_decode(q.index_select(0, ep.idx), sk, sv, ep.subsets,
+                                                 scale=scale, impl=self.impl, check=check))
+        idx, sub = st.rest
+        out.index_copy_(0, idx, sparse_decode(q.index_select(0, idx), k_buf, v_buf, sub,
+                                              scale=scale, impl=self.impl, check=check))
+        return out
 
     # ------------------------------------------------------------ prefill (SnapKV)
 

@@ -106,3 +106,42 @@ class PrefillMetrics:
         self.select_seconds.inc(select_s)
         if seeded:
             self.seeded.inc()
+
+
+# Seconds of the retrieval head per decode pass: 50 µs .. ~0.4 s.
+_HEAD_BUCKETS = tuple(5e-5 * 2**i for i in range(14))
+_SHARE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99, 1.0)
+
+
+class SpeContextMetrics:
+    """``--spec-mode specontext``: the retrieval head and elastic loading."""
+
+    def __init__(self):
+        from prometheus_client import Histogram
+
+        self.head_seconds = Histogram(
+            name="sgl_spec:specontext_head_seconds",
+            documentation="Wall time of the retrieval head per decode pass (queries, "
+            "scoring every sparse row's history, top-B), before the layers run.",
+            buckets=_HEAD_BUCKETS)
+        self.rows_loaded = Histogram(
+            name="sgl_spec:specontext_rows_loaded",
+            documentation="KV positions copied into a request's staging buffer per decode "
+            "step and KV head (elastic loading: the set difference against the previous "
+            "step; the first sparse step loads all of sink + budget + window), each layer.",
+            buckets=_TOKEN_BUCKETS)
+        self.overlap = Histogram(
+            name="sgl_spec:specontext_selection_overlap",
+            documentation="|S_now & S_last| / budget per request-step and KV head, for "
+            "rows whose previous step also attended a selection.",
+            buckets=_SHARE_BUCKETS)
+
+    def observe_head(self, seconds: float) -> None:
+        self.head_seconds.observe(seconds)
+
+    def observe_loads(self, per_row_head: float) -> None:
+        self.rows_loaded.observe(per_row_head)
+
+    def observe_overlap(self, shares: Sequence[float]) -> None:
+        for s in shares:
+            self.overlap.observe(s)

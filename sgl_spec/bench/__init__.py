@@ -20,7 +20,6 @@ Workloads and clients:
     ``longgen``      long-generation prompts
     ``chats``        speed chats: chat over a document, growing context
     ``serving``      ``sglang.bench_serving`` random-ids run and its figures
-    ``corpus``       prose of a given token length from Python's docstrings
     ``chat_client``  plays conversations through the OpenAI API, timing each turn
     ``server``       starts, measures and stops a real server (also used by the tests)
     ``sparse_counters``  sgl_spec's sparse-decode counters from /metrics
@@ -33,6 +32,8 @@ Sweeps and micro-benchmarks (``python -m sgl_spec.bench.<name> --help``):
     ``vslash``       line-sparse prefill attention vs dense SDPA (kernel)
     ``reselect``     one LoopServe reselection vs the dense decode steps it covers
     ``cache_overhead`` the radix cache's own cost
-Shared: ``timing`` (medians, spreads, interleaved rounds), ``cli`` (flags, outputs),
+Prose of a given token length comes from ``sgl_spec.corpus`` (Python's docstrings;
+the retrieval head's training reads it too). Shared: ``timing`` (medians, spreads,
+interleaved rounds), ``cli`` (flags, outputs),
 ``render`` (markdown cells), ``provenance`` (machine, versions, commit).
 """

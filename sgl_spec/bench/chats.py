@@ -12,7 +12,7 @@ Two kinds of conversation, each a frozen ``ChatConfig`` (``PRESETS``):
 A plan names them (``[plan] chats = ["doc_chat", "growing"]``, ``plan.RunPlan``); the
 runner plays them on every row with the first row's answers as the chat history, so
 every row is sent the same prompts and their TTFTs and outputs compare turn by turn.
-Texts come from ``sgl_spec.bench.corpus`` and are a pure function of (tokenizer,
+Texts come from ``sgl_spec.corpus`` and are a pure function of (tokenizer,
 config).
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from sgl_spec.bench import corpus
+from sgl_spec import corpus
 from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 # Question and chat-template tokens per turn, for the context-window check.

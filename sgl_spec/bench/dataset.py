@@ -1,7 +1,7 @@
 """Multi-turn long-context QA conversations with planted facts (LoopServe-style).
 
 In the spirit of LoopServe's multi-turn benchmark (LoopServe Sec. 4.1): every turn
-brings its own context, real prose from ``sgl_spec.bench.corpus`` with short facts
+brings its own context, real prose from ``sgl_spec.corpus`` with short facts
 planted in it ("The secret code of the blue lighthouse is 4817."); the turn's question
 sits at the beginning, middle or end of that context (diverse query positions) and
 asks about a fact of this turn or of an earlier one (diverse query relevance). Answers
@@ -31,7 +31,7 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
-from sgl_spec.bench import corpus
+from sgl_spec import corpus
 from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 POSITIONS: tuple[str, ...] = ("begin", "middle", "end")

@@ -47,6 +47,7 @@ LOOPSERVE = "loopserve B=1024"
 PREFILL = "loopserve-prefill a=0.97"
 SNAPKV = "snapkv B=1024"
 STREAMING = "streaming B=1024"
+SPECONTEXT = "specontext B=1024"
 CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig(STOCK, "stock"),
     ServerConfig(EXACT, "sgl_spec", ("--spec-mode", "exact")),
@@ -59,12 +60,14 @@ CONFIGS: tuple[ServerConfig, ...] = (
     # The same KV as the others: sink + a 1088-position window (configs/sparse-decode.toml).
     ServerConfig(STREAMING, "sgl_spec",
                  ("--spec-mode", "streaming", "--spec-window", "1088", "--spec-budget", "1")),
+    # The retrieval head trained for the model (prepared before the first start).
+    ServerConfig(SPECONTEXT, "sgl_spec", ("--spec-mode", "specontext", "--spec-budget", "1024")),
 )
 KEEP: tuple[str, ...] = (EXACT,)  # always run, whatever --rows says
-SPARSE_ROWS: tuple[str, ...] = (LOOPSERVE, SNAPKV, STREAMING)
+SPARSE_ROWS: tuple[str, ...] = (LOOPSERVE, SNAPKV, STREAMING, SPECONTEXT)
 RATIOS: tuple[tuple[str, str], ...] = (
     *((row, base) for row in SPARSE_ROWS for base in (STOCK, EXACT)),
-    (EXACT, STOCK), (PREFILL, EXACT))
+    (SPECONTEXT, LOOPSERVE), (EXACT, STOCK), (PREFILL, EXACT))
 # Rows whose per-start ratios are tabulated against every other row's.
 START_BASELINES: tuple[str, ...] = (STOCK, EXACT)
 PNG = "decode_speed.png"
@@ -104,7 +107,7 @@ class SweepPlan:
 
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
     """``max(batches)`` different prompts of exactly ``h`` tokens per history ``h``."""
-    from sgl_spec.bench import corpus
+    from sgl_spec import corpus
 
     out = {}
     for h in plan.histories:  # corpus text is <= its budget, within 2 %: ask a bit more

@@ -25,7 +25,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sgl_spec.bench import agreement, corpus, dataset
+from sgl_spec import corpus
+from sgl_spec.bench import agreement, dataset
 from sgl_spec.bench.chat_client import CONTEXT_LEN, ChatScript
 
 MIN_TOKENS = 1024
@@ -146,11 +147,24 @@ PROMPTS: tuple[LongGenPrompt, ...] = (
                   "every statement of that paragraph as a bullet point, keeping all "
                   "names and numbers.", 2048, context_tokens=3000, facts=8, seed=1,
                   ignore_eos=True),
+    # SpeContext's shape (Sec 7: short input, long reasoning), scaled to this machine:
+    # a ~512-token prompt and 4096 generated tokens (EOS ignored), so the history
+    # passes --spec-min-context after ~1.5k tokens and the output itself is most of
+    # what a selection chooses from. Four seeds: batch 4 plays them at once.
+    *(LongGenPrompt(f"reasoning-{i}", "Reason step by step, at length, about the "
+                    "document above. For every fact in it, explain what it says, how it "
+                    "relates to the paragraph around it and to the other facts, and check "
+                    "your explanation; then write a detailed summary of every paragraph. "
+                    "Keep going until you have covered everything twice.", 4096,
+                    context_tokens=420, facts=4, seed=10 + i, ignore_eos=True)
+      for i in range(4)),
 )
 PRESETS: dict[str, tuple[str, ...]] = {
-    "default": tuple(p.name for p in PROMPTS),
+    "default": tuple(p.name for p in PROMPTS if not p.name.startswith("reasoning-")),
     "quick": ("animals", "long-division"),
     "long-context": ("doc-facts", "doc-outline"),
+    "reasoning": ("reasoning-0",),
+    "reasoning-x4": tuple(f"reasoning-{i}" for i in range(4)),
 }
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from sgl_spec import corpus
 from sgl_spec.bench import chats as chat_presets
-from sgl_spec.bench import corpus, longgen, serving as serving_presets
+from sgl_spec.bench import longgen, serving as serving_presets
 from sgl_spec.bench.chat_client import PlayItem
 from sgl_spec.bench.dataset import DatasetConfig
 

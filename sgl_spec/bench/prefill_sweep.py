@@ -126,7 +126,7 @@ def pool_rounds(runs: list[dict]) -> dict:
 def build_prompts(tokenizer, plan: SweepPlan) -> dict[int, list[list[int]]]:
     """``repeats`` + 1 (a warm-up) different prompts of exactly ``history + n`` tokens
     per length ``n``."""
-    from sgl_spec.bench import corpus
+    from sgl_spec import corpus
 
     out = {}
     for n in plan.lengths:  # corpus text is <= its budget, within 2 %: ask a bit more

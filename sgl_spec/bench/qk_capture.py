@@ -33,7 +33,7 @@ class ChatPrompt(NamedTuple):
 
 def chat_prompt(tokenizer, n_tokens: int, seed: int = 0) -> ChatPrompt:
     """~``n_tokens`` of a two-turn chat: each user turn is corpus prose plus a question."""
-    from sgl_spec.bench import corpus
+    from sgl_spec import corpus
 
     half = max(64, n_tokens // 2 - 40)
     docs = corpus.documents(tokenizer, half, 2, seed)

@@ -97,6 +97,7 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         if not self.port:
             self.port = free_port()
+        self._prepare_head()
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix=f"sglang-{self.port}-", suffix=".log")
             os.close(fd)
@@ -114,6 +115,20 @@ class ServerProcess:
         self._wait_healthy()
         threading.Thread(target=self._sample_memory, daemon=True).start()
         return self
+
+    def _prepare_head(self) -> None:
+        """A specontext server without --spec-draft-path trains its model's head on its
+        first start (minutes): do it here, with a progress bar, not inside the health
+        timeout."""
+        a = self.args
+        if (self.module != SPEC or "--spec-draft-path" in a or "--spec-mode" not in a
+                or a[a.index("--spec-mode") + 1] != "specontext"):
+            return
+        from sgl_spec.launch_server import _value
+        from sgl_spec.prepare_model import prepare as prepare_model
+        from sgl_spec.train_head import prepare
+
+        prepare(_value(a, "--model-path") or prepare_model())
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.timeout_s

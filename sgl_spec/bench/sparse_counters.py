@@ -2,7 +2,10 @@
 
 A sparse ``--spec-mode`` with ``--enable-metrics`` exports (``sgl_spec.attention.metrics``)
 ``sgl_spec:decode_steps_total{path="sparse"|"exact"}``: request decode steps that
-attended a KV subset or the whole history, and ``sgl_spec:sparse_reselections_total``.
+attended a KV subset or the whole history, and ``sgl_spec:sparse_reselections_total``;
+``specontext`` also the histograms of its head time per pass, rows loaded per step
+and KV head (elastic loading) and the overlap of consecutive selections
+(``sgl_spec:specontext_*``, read as their ``_sum`` and ``_count``).
 Counters are cumulative since the server started: read them before and after a
 workload and take the ``delta``. A server without them (stock sglang, exact mode,
 metrics off) reads as None.
@@ -18,8 +21,7 @@ import requests
 
 logger = logging.getLogger(__name__)
 
-_RESELECT_NAME = "sgl_spec:sparse_reselections_total"
-_RESELECT = re.compile(rf"^{_RESELECT_NAME}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
+_RESELECT = "sgl_spec:sparse_reselections_total"
 
 
 def by_path(text: str, counter: str) -> dict[str, float]:
@@ -41,12 +43,36 @@ def add(counts: list[dict[str, float] | None]) -> dict[str, float] | None:
     return out or None
 
 
+# SparseCounters field -> the series it sums (over any labels).
+_HISTOGRAM_PARTS = {
+    "loaded_sum": "sgl_spec:specontext_rows_loaded_sum",
+    "loaded_n": "sgl_spec:specontext_rows_loaded_count",
+    "overlap_sum": "sgl_spec:specontext_selection_overlap_sum",
+    "overlap_n": "sgl_spec:specontext_selection_overlap_count",
+    "head_s": "sgl_spec:specontext_head_seconds_sum",
+    "head_n": "sgl_spec:specontext_head_seconds_count",
+}
+
+
+def scalar(text: str, series: str) -> float:
+    """``series`` of a Prometheus text exposition, summed over its labels (0 if absent)."""
+    pattern = re.compile(rf"^{re.escape(series)}(?:\{{[^}}]*\}})?\s+(\S+)", re.M)
+    return sum(float(v) for v in pattern.findall(text))
+
+
 class SparseCounters(NamedTuple):
-    """Request decode steps by attention path, and reselections (loopserve)."""
+    """Request decode steps by attention path, reselections (loopserve), and
+    specontext's elastic loading (sums and counts of its histograms)."""
 
     sparse: float
     exact: float
     reselections: float
+    loaded_sum: float = 0.0  # rows loaded per (step, KV head), summed over steps
+    loaded_n: float = 0.0
+    overlap_sum: float = 0.0
+    overlap_n: float = 0.0
+    head_s: float = 0.0
+    head_n: float = 0.0
 
     @property
     def steps(self) -> float:
@@ -62,8 +88,9 @@ def parse(text: str) -> SparseCounters | None:
     steps = by_path(text, "sgl_spec:decode_steps_total")
     if not steps:
         return None
-    reselections = sum(float(v) for v in _RESELECT.findall(text))
-    return SparseCounters(steps.get("sparse", 0.0), steps.get("exact", 0.0), reselections)
+    reselections = scalar(text, _RESELECT)
+    return SparseCounters(steps.get("sparse", 0.0), steps.get("exact", 0.0), reselections,
+                          **{f: scalar(text, name) for f, name in _HISTOGRAM_PARTS.items()})
 
 
 def read(url: str) -> SparseCounters | None:
@@ -83,5 +110,9 @@ def delta(after: SparseCounters | None, before: SparseCounters | None) -> dict |
         return None
     before = before or SparseCounters(0.0, 0.0, 0.0)
     d = SparseCounters(*(a - b for a, b in zip(after, before)))
+    mean = lambda total, n: total / n if n else None  # noqa: E731
     return {"sparse_steps": int(d.sparse), "decode_steps": int(d.steps),
-            "reselections": int(d.reselections), "sparse_share": d.sparse_share}
+            "reselections": int(d.reselections), "sparse_share": d.sparse_share,
+            "rows_loaded_per_step": mean(d.loaded_sum, d.loaded_n),
+            "selection_overlap": mean(d.overlap_sum, d.overlap_n),
+            "head_ms_per_pass": mean(1e3 * d.head_s, d.head_n)}

@@ -139,6 +139,21 @@ def sparse_cell(counts: dict | None) -> str:
             f"{'' if share is None else f' ({share:.2f})'}")
 
 
+def elastic_table(configs: list[dict]) -> list[str]:
+    """specontext rows: elastic loading and the head, per workload ([] if none)."""
+    rows = []
+    for c in configs:
+        for workload, d in (c.get("sparse_decode") or {}).items():
+            if d and d.get("rows_loaded_per_step") is not None:
+                rows.append([c["name"], workload, num(d["rows_loaded_per_step"], digits=1),
+                             num(d.get("selection_overlap"), digits=3),
+                             num(d.get("head_ms_per_pass"), digits=2)])
+    if not rows:
+        return []
+    return table(["configuration", "workload", "rows loaded per step and KV head",
+                  "overlap of consecutive selections", "head ms per pass"], rows)
+
+
 def speed_table(configs: list[dict]) -> list[str]:
     header = ["configuration", "TTFT turn 1 (ms)", "TTFT turns >= 2 (ms)", "TPOT chat (ms)",
               "TPOT long-gen (ms)", "output tok/s long-gen", "cached tok / turn >= 2",
@@ -315,11 +330,18 @@ def markdown(results: dict) -> str:
         lines += [f"## Greedy agreement with `{ref}`", "",
                   "Each configuration plays its own answers as the chat history.", "",
                   *agreement_table(configs, ref), ""]
+    elastic = elastic_table(configs)
     lines += ["## Speed", "", *speed_table(configs), "",
               "Sparse decode steps: request decode steps that attended a KV subset / all "
               "decode steps, from the server's sgl_spec counters ('-': none exported, as "
-              "for stock and exact mode).", "",
-              "### TTFT / TPOT (ms, medians) by history length", "",
+              "for stock and exact mode).", ""]
+    if elastic:
+        lines += ["### SpeContext: elastic loading", "",
+                  "Rows loaded per step and KV head: positions copied into the staging "
+                  "buffer (every layer the same), mean over sparse request-steps, the "
+                  "first step's full gather included; overlap: |S_now & S_last| / B.", "",
+                  *elastic, ""]
+    lines += ["### TTFT / TPOT (ms, medians) by history length", "",
               *history_table(configs), "",
               *speed_chat_lines(results),
               "## Dataset", "", *stats_lines(results["dataset"]["stats"]), "",

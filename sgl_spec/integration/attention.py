@@ -90,6 +90,7 @@ def batch_view(fb: ForwardBatch, req_to_token: torch.Tensor) -> BatchView:
         rids=tuple(fb.rids), seq_lens=tuple(seq.tolist()),
         pool_rows=tuple(fb.req_pool_indices.tolist()), req_to_token=req_to_token,
         rows=fb.req_pool_indices.long(), seq_lens_t=fb.seq_lens.long(),
+        input_ids=fb.input_ids, out_cache_loc=fb.out_cache_loc,
     )
     if mode.is_decode():
         return BatchView("decode", **common)
@@ -106,7 +107,8 @@ def attn_shape(runner) -> AttnShape:
     tp = get_parallel().attn_tp_size
     return AttnShape(num_layers=mc.num_hidden_layers,
                      num_q_heads=mc.get_max_num_attention_heads() // tp,
-                     num_kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim)
+                     num_kv_heads=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,
+                     kv_dtype=runner.token_to_kv_pool.dtype)
 
 
 def create_backend(runner):
@@ -114,10 +116,20 @@ def create_backend(runner):
     cfg = current()
     # Runs in the scheduler process: the --spec-* flags arrive through the env.
     logger.info("sgl_spec attention backend, config %s", cfg.to_json())
-    if torch.device(runner.device).type == "cuda":
+    cuda = torch.device(runner.device).type == "cuda"
+    if cuda and not cfg.decode.retrieval_head:
         return _delegate_on_cuda(runner, cfg)
+    head, pool_layers = None, None
+    if cfg.decode.retrieval_head:
+        from .head import build_runtime
+
+        head, pool_layers = build_runtime(runner, runner.device)
+    # SpeContext on CUDA: the same plan, the staged rows on FlashInfer's paged decode
+    # (one page list per request and KV head), copies on a side stream; CUDA graphs
+    # off (the launcher's --disable-cuda-graph). Unverified: no GPU has been lent.
     core = build_core(cfg, attn_shape(runner), runner.device,
-                      enable_metrics=runner.server_args.enable_metrics)
+                      enable_metrics=runner.server_args.enable_metrics, head=head,
+                      pool_layers=pool_layers, impl="flashinfer" if cuda else None)
     return SpecAttnBackend(runner, core)
 
 

@@ -53,6 +53,7 @@ class AttnShape:
     num_kv_heads: int
     head_dim: int
     scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    kv_dtype: torch.dtype = torch.float32  # the KV pool's (staging copies keep it)
 
     def __post_init__(self):
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -103,6 +104,12 @@ class SelectionPolicy(ABC):
     name: ClassVar[str]
     # Whether prefill_layer() must be fed the last prompt queries (SnapKV).
     needs_prefill_queries: ClassVar[bool] = False
+    # Whether select_pass() selects once per pass, before the layers, for every layer
+    # (SpeContext); otherwise selection() is read per layer.
+    selects_per_pass: ClassVar[bool] = False
+    # Whether the sparse rows attend a staging copy of their subset (stage(),
+    # stage_buffers(): SpeContext's elastic loading) instead of the pool in place.
+    stages_kv: ClassVar[bool] = False
 
     def __init__(self, cfg: DecodeConfig, shape: AttnShape, device: torch.device | str = "cpu"):
         self.cfg = cfg
@@ -204,6 +211,12 @@ class SelectionPolicy(ABC):
         """``[S, Hkv, width]`` int64: the stored selections of the rows in ``slots``."""
         return self.slots.rows("sel", layer, slots)
 
+    def select_pass(self, batch, rows: list[int]) -> torch.Tensor:
+        """``[R, Hkv, width]`` int64: the selections of a decode pass's sparse ``rows``
+        (indices into ``batch``, a ``BatchView``), for every layer; only policies with
+        ``selects_per_pass``."""
+        raise NotImplementedError(f"{self.name} selects per layer")
+
 
 class ReselectBatch(NamedTuple):
     slots: torch.Tensor  # [R] int64
@@ -257,5 +270,6 @@ for _name, _module, _cls in (
     ("streaming", "sgl_spec.sparse.streaming", "StreamingPolicy"),
     ("snapkv", "sgl_spec.sparse.snapkv", "SnapKVPolicy"),
     ("loopserve", "sgl_spec.sparse.loopserve", "LoopServePolicy"),
+    ("specontext", "sgl_spec.sparse.specontext", "SpeContextPolicy"),
 ):
     register_policy(_name, _lazy(_module, _cls))

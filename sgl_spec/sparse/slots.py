@@ -3,7 +3,9 @@
 A policy keeps, per request and layer, tensors the decode path reads for a whole
 batch at once (LoopServe's query ring, every policy's selection). Each live request
 owns one slot; buffer ``name`` has shape ``[num_layers, capacity, *row_shape]`` so a
-layer's rows of a batch are one ``index_select`` (``rows(name, layer, slots)``). The
+layer's rows of a batch are one ``index_select`` (``rows(name, layer, slots)``); a
+buffer of ``layers=1`` holds one row per request for all layers (SpeContext's one
+selection per pass: read it as layer 0). The
 capacity doubles when full (a copy); freed slots are reused, and their stale contents
 are never read before being written (callers mask what they have not written).
 
@@ -21,6 +23,7 @@ class BufferSpec(NamedTuple):
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     fill: float | int = 0
+    layers: int | None = None  # None: the table's num_layers
 
 
 class SlotTable:
@@ -48,7 +51,7 @@ class SlotTable:
 
     def _grow(self, capacity: int) -> None:
         for name, spec in self.specs.items():
-            new = torch.full((self.num_layers, capacity, *spec.row_shape), spec.fill,
+            new = torch.full((spec.layers or self.num_layers, capacity, *spec.row_shape), spec.fill,
                              dtype=spec.dtype, device=self.device)
             old = self._buffers.get(name)
             if old is not None:
@@ -90,6 +93,10 @@ class SlotTable:
     def rows(self, name: str, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """``[len(slots), *row_shape]``: the rows of ``slots`` (int64, on the device)."""
         return self._buffers[name][layer].index_select(0, slots)
+
+    def clear(self, name: str, slot: int) -> None:
+        """Reset ``slot``'s rows of ``name`` (every layer) to the buffer's fill value."""
+        self._buffers[name][:, slot] = self.specs[name].fill
 
     def write(self, name: str, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self._buffers[name][layer].index_copy_(0, slots, values.to(self.specs[name].dtype))

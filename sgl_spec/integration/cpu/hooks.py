@@ -11,6 +11,9 @@ torchvision is imported:
   the default model's directory the ChatML template in the frontend language.
 * after sglang's scheduler ``internal_state`` module executes (every host): the
   turn-aware cache summary joins the internal state (``GET /sgl_spec/cache``).
+* after ``mem_cache.kv_cache_configurator`` executes (every host): with a retrieval
+  head (``--spec-mode specontext``) its MHA pool gets the head's layer
+  (:mod:`sgl_spec.integration.head`).
 
 Hooks run only when the named module is imported, so processes that never touch
 sglang pay nothing but this finder's dictionary look-ups.
@@ -46,6 +49,8 @@ AFTER: dict[str, _Hook] = {
     "sglang.lang.chat_template": _lazy("sgl_spec.chat_templates:register_frontend_matchers"),
     "sglang.srt.managers.scheduler_components.internal_state":
         _lazy("sgl_spec.integration.endpoint:patch_internal_state"),
+    "sglang.srt.mem_cache.kv_cache_configurator":
+        _lazy("sgl_spec.integration.head:patch_kv_pool"),
 }
 # Hooks active only on hosts without CUDA.
 _HICACHE = "sgl_spec.integration.cpu.hicache"

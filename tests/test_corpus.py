@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_spec.bench import chats, corpus
+from sgl_spec import corpus
+from sgl_spec.bench import chats
 
 
 def test_pool_is_prose_and_fixed():

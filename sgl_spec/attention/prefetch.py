@@ -1,0 +1,138 @@
+"""Asynchronous prefetch of a pass's elastic loads (SpeContext Sec 5).
+
+The retrieval head selects before the layers run, so every layer's staging copies
+(``sgl_spec.sparse.elastic.ElasticPass.ahead``) are known at plan time and can run while earlier
+layers compute; layer l's attention waits only for layer l's copies. Three ways:
+
+* ``inline``: no overlap; layer l copies its rows right before its attention;
+* ``thread``: a worker thread copies layer after layer from the start of the pass
+  (CPU: torch ops release the GIL, so copies and compute can overlap on separate
+  cores; whether that pays on a given CPU is not yet measured: issue 16);
+* ``stream``: a CUDA side stream with one event per layer (the paper's design);
+  unverified until a GPU is lent.
+
+``get_prefetcher(name)`` builds one; ``auto`` is ``stream`` on CUDA, else ``inline``.
+Each prefetcher serves one decoder (the scheduler thread) and at most one pass at a
+time: ``start`` waits for the previous pass's copies first.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import ClassVar
+
+import torch
+
+from sgl_spec.sparse.elastic import Loads
+
+# layer -> (staging K, staging V, pool K, pool V), each [rows, Hkv, D]
+LayerBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+PREFETCHERS = ("auto", "inline", "thread", "stream")
+
+
+def copy_layer(loads: Loads, bufs: tuple[torch.Tensor, ...]) -> None:
+    sk, sv, pk, pv = bufs
+    loads.copy(sk, pk)
+    loads.copy(sv, pv)
+
+
+class Prefetcher(ABC):
+    name: ClassVar[str]
+
+    # Whether start() needs every layer's buffers up front (else wait() gets the layer's).
+    needs_buffers: ClassVar[bool] = True
+
+    @abstractmethod
+    def start(self, loads: Loads, layers: int, buffers: LayerBuffers | None) -> None:
+        """Begin copying ``loads`` for layers ``0..layers-1``."""
+
+    @abstractmethod
+    def wait(self, layer: int, bufs: tuple[torch.Tensor, ...]) -> None:
+        """Return once layer ``layer``'s copies are done (or ordered before its use);
+        ``bufs``: that layer's (staging K, staging V, pool K, pool V)."""
+
+
+class InlinePrefetcher(Prefetcher):
+    name = "inline"
+    needs_buffers = False
+
+    def __init__(self):
+        self._loads: Loads | None = None
+
+    def start(self, loads, layers, buffers) -> None:
+        self._loads = loads
+
+    def wait(self, layer: int, bufs) -> None:
+        copy_layer(self._loads, bufs)
+
+
+class ThreadPrefetcher(Prefetcher):
+    name = "thread"
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sgl_spec-prefetch")
+        self._job: Future | None = None
+        self._done: list[threading.Event] = []
+
+    def start(self, loads, layers, buffers) -> None:
+        if self._job is not None:
+            self._job.result()  # the previous pass's copies (normally long done)
+        self._done = [threading.Event() for _ in range(layers)]
+        done = self._done
+
+        def run() -> None:
+            try:
+                for layer in range(layers):
+                    copy_layer(loads, buffers(layer))
+                    done[layer].set()
+            finally:
+                for e in done:  # a failed copy must not hang the layers: they re-raise
+                    e.set()
+
+        self._job = self._pool.submit(run)
+
+    def wait(self, layer: int, bufs) -> None:
+        self._done[layer].wait()
+        if self._job.done() and self._job.exception() is not None:
+            raise self._job.exception()
+
+
+class StreamPrefetcher(Prefetcher):
+    """CUDA side stream; the events order each layer's attention after its copies."""
+
+    name = "stream"
+
+    def __init__(self):
+        self._stream = torch.cuda.Stream()
+        self._events: list[torch.cuda.Event] = []
+
+    def start(self, loads, layers, buffers) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream())  # the plan's indices
+        self._events = []
+        with torch.cuda.stream(self._stream):
+            for layer in range(layers):
+                copy_layer(loads, buffers(layer))
+                e = torch.cuda.Event()
+                e.record(self._stream)
+                self._events.append(e)
+
+    def wait(self, layer: int, bufs) -> None:
+        torch.cuda.current_stream().wait_event(self._events[layer])
+
+
+_CLASSES: dict[str, type[Prefetcher]] = {
+    c.name: c for c in (InlinePrefetcher, ThreadPrefetcher, StreamPrefetcher)}
+
+
+def get_prefetcher(name: str, device: torch.device | str) -> Prefetcher:
+    if name not in PREFETCHERS:
+        raise ValueError(f"--spec-prefetch {name!r} is invalid; valid: {', '.join(PREFETCHERS)}")
+    if name == "auto":
+        name = "stream" if torch.device(device).type == "cuda" else "inline"
+    if name == "stream" and torch.device(device).type != "cuda":
+        raise ValueError("--spec-prefetch stream needs a CUDA device; valid on CPU: auto, "
+                         "inline, thread")
+    return _CLASSES[name]()

@@ -1,0 +1,79 @@
+"""SpeContext on a real server: a head trained here (the quick form of
+``sgl_spec.train_head``), ``--spec-mode specontext`` decoding sparse from the first
+step, elastic loading and the head's counters, a follow-up turn over the cached
+prefix (head keys from the pool), the exact fallback below ``--spec-min-context``, and
+states freed on finish."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import COMMON_FLAGS, _log_path
+from sgl_spec.bench import sparse_counters
+from sgl_spec.bench.server import SPEC, ServerProcess
+from sgl_spec.head.train import TrainConfig
+from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
+
+BUDGET, SINK, WINDOW = 64, 4, 64
+ROWS = SINK + BUDGET + WINDOW  # staged per request, layer and KV head
+
+
+@pytest.fixture(scope="module")
+def head_path(model_path, tmp_path_factory):
+    from sgl_spec.train_head import prepare
+
+    return prepare(model_path, TrainConfig.quick(), str(tmp_path_factory.mktemp("head") / "h"))
+
+
+@pytest.mark.server
+class TestSpeContextServer:
+    @pytest.fixture(scope="class")
+    def server(self, model_path, head_path, tmp_path_factory):
+        flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
+                 "--spec-draft-path", head_path, "--spec-budget", str(BUDGET),
+                 "--spec-min-context", "256", "--enable-metrics"]
+        with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "specontext")) as s:
+            yield s
+
+    def test_long_prompt_decodes_sparse_every_step_with_elastic_loads(self, server):
+        prompt = chatml("What does this module do?\n" + _doc("json", 5000))
+        before, c0 = sparse_metrics(server.url), sparse_counters.read(server.url)
+        out = generate(server.url, prompt, 48, ignore_eos=True)
+        after, c1 = sparse_metrics(server.url), sparse_counters.read(server.url)
+        assert 800 <= out["meta_info"]["prompt_tokens"] <= 1300
+        assert out["meta_info"]["completion_tokens"] == 48 and out["text"].strip()
+        # No dense warm-up: every one of the 47 decode steps attends the head's selection
+        # (overlap scheduling may run one more).
+        assert delta(after, before, EXACT) == 0
+        assert 47 <= delta(after, before, SPARSE) <= 48
+        d = sparse_counters.delta(c1, c0)
+        # The first step loads all ROWS positions per KV head; later ones only what
+        # changed, so the mean is well under a full reload.
+        assert ROWS / 48 < d["rows_loaded_per_step"] < 0.75 * ROWS
+        assert 0.25 < d["selection_overlap"] <= 1.0
+        assert d["head_ms_per_pass"] > 0
+        assert after["sgl_spec:sparse_live_states"] == 0  # released when it finished
+
+    def test_follow_up_turn_reuses_the_cached_prefix(self, server):
+        first = chatml("Summarize this text.\n" + _doc("argparse", 4000))
+        a = generate(server.url, first, 16)
+        follow = (first + a["text"] + "<|im_end|>\n"
+                  + "<|im_start|>user\nName one class it mentions.<|im_end|>\n"
+                  + "<|im_start|>assistant\n")
+        before = sparse_metrics(server.url)
+        b = generate(server.url, follow, 24, ignore_eos=True)
+        after = sparse_metrics(server.url)
+        assert b["meta_info"]["cached_tokens"] >= a["meta_info"]["prompt_tokens"] - 1
+        assert b["meta_info"]["completion_tokens"] == 24 and b["text"].strip()
+        assert 23 <= delta(after, before, SPARSE) <= 24
+        assert after["sgl_spec:sparse_live_states"] == 0
+
+    def test_short_prompt_decodes_exactly(self, server):
+        before = sparse_metrics(server.url)
+        out = generate(server.url, chatml("What is the capital of France?"), 24,
+                       ignore_eos=True)
+        after = sparse_metrics(server.url)
+        assert out["meta_info"]["prompt_tokens"] + 24 < 256
+        assert delta(after, before, SPARSE) == 0
+        assert 23 <= delta(after, before, EXACT) <= 24
+        assert after["sgl_spec:sparse_live_states"] == 0
