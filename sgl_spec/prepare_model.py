@@ -50,12 +50,22 @@ def prepare(cache_dir: str | None = None, force: bool = False, model: str = DEFA
     out = model_dir(cache_dir, model)
     if is_prepared(out) and not force:
         return out
-    tmp = out + ".tmp"
+
+    def build(tmp: str) -> None:
+        src = source.gguf(tmp)  # verified before anything is converted
+        _convert(source, src, tmp)
+
+    return build_dir(out, build)
+
+
+def build_dir(out: str, build) -> str:
+    """Run ``build(tmp)`` into ``out + ".tmp"`` and move it to ``out`` only when it
+    succeeds (a failed or interrupted build leaves nothing behind); returns ``out``."""
+    tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        src = source.gguf(tmp)  # verified before anything is converted
-        _convert(source, src, tmp)
+        build(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 
 from sgl_spec import envs
@@ -54,23 +53,19 @@ def prepare(model_path: str, tc: TrainConfig | None = None, out: str | None = No
             force: bool = False) -> str:
     """Train (once) and return the head's directory."""
     from sgl_spec.head.train import train
+    from sgl_spec.prepare_model import build_dir
 
     tc = tc or default_config(model_path)
     out = out or head_dir(model_path, tc)
     if is_prepared(out) and not force:
         return out
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def build(tmp: str) -> None:
         report = train(model_path, tmp, tc)
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump({"format": _FORMAT, **report}, f, indent=2)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+
+    return build_dir(out, build)
 
 
 def main(argv: list[str] | None = None) -> int:
