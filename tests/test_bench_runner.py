@@ -4,6 +4,8 @@ server sweeps' row selection and rounds (its configuration files and plans:
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from sgl_spec.bench import (configset, plan, plots, results, runner, sparse_counters, summary,
@@ -369,3 +371,56 @@ def test_speed_chats_against_the_first_row(convs):
     assert ("| stock | doc_chat | doc_chat-0 | 3 | 1 | 9 | 2 | 0.100 | 0.100 | yes "
             "| yes |") in md
     assert "- sgl_spec exact: doc_chat TTFT of turns >= 2: 10.00x faster than stock" in md
+
+
+def test_resume_reads_back_rows_played_on_the_same_inputs(convs, monkeypatch, tmp_path):
+    """--resume: a row already played on the same inputs is read back (turns, server
+    info, counters), not played again; other inputs or another row's flags replay it;
+    the report marks the reused row and its ratio across runs."""
+    toml = tmp_path / "set.toml"
+    toml.write_text('name = "two"\n[[config]]\nname = "sgl_spec exact"\nlauncher = "sgl_spec"\n'
+                    'flags = ["--spec-mode", "exact"]\nreference = true\n[[config]]\n'
+                    'name = "loopserve B=512"\nlauncher = "sgl_spec"\n'
+                    'flags = ["--spec-mode", "loopserve", "--spec-budget", "512"]\n')
+    sets = configset.load(str(toml))
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in runner.INPUT_FILES:
+        (out / name).write_text("[]")
+    played = []
+
+    def fake_run(cfg, model, work, out_dir, progress, pinned=None):
+        played.append(cfg.name)
+        chat, lg = _results(convs, lambda t: t.answer)
+        return results.ConfigRun(cfg.name, asdict(cfg), {"peak_rss_bytes": 1}, chat,
+                                 lg, SPARSE, {}, None)
+
+    monkeypatch.setattr(runner, "run_config", fake_run)
+    work = runner.Workloads(plan.RunPlan.preset(True), convs, 32, [], {})
+    first = runner.side_by_side(sets, "/m", DATA, work, str(out), False)
+    assert played == ["sgl_spec exact", "loopserve B=512"]
+    again = runner.side_by_side(sets, "/m", DATA, work, str(out), False, resume=True)
+    assert played == ["sgl_spec exact", "loopserve B=512"]  # nothing played again
+    for a, b in zip(first["configs"], again["configs"]):
+        assert a["accuracy"] == b["accuracy"] and a["server"] == b["server"]
+        assert a["sparse_decode"] == b["sparse_decode"]
+    assert again["configs"][1]["agreement"] == first["configs"][1]["agreement"]
+    # Other inputs: every row is played again.
+    (out / "chats.json").write_text("{}")
+    runner.side_by_side(sets.only(["loopserve B=512"]), "/m", DATA, work, str(out), False,
+                        resume=True)
+    assert played[2:] == ["sgl_spec exact", "loopserve B=512"]
+    monkeypatch.setattr(runner, "_meta", lambda *a: {
+        **runner.provenance.run_meta("/m", configset="two", quick=False,
+                                     dataset_preset="custom", concurrency=1),
+        "started": "later"})
+    mixed = runner.side_by_side(sets, "/m", DATA, work, str(out), False, resume=True)
+    assert played[4:] == []
+    assert mixed["configs"][1]["ratio_across_runs"] is False  # both from the same run
+    # Replay only the reference: the loopserve row's ratio now spans two runs.
+    (out / "turns-sgl_spec-exact.json").unlink()
+    mixed = runner.side_by_side(sets, "/m", DATA, work, str(out), False, resume=True)
+    assert played[4:] == ["sgl_spec exact"]
+    assert mixed["configs"][1]["ratio_across_runs"] is True
+    md = tables.markdown(mixed)
+    assert "Rows read back from earlier runs" in md and "(other run)" in md

@@ -14,6 +14,10 @@ What is played is the set's ``[plan]`` if it has one, else the default plan;
     python -m sgl_spec.bench --quick --out /tmp/evalq            # ~4 min
     python -m sgl_spec.bench --configs sgl_spec/bench/configs/sparse-decode.toml --out DIR
     python -m sgl_spec.bench --url http://127.0.0.1:30000 --concurrency 2
+
+A long set can be played over several sittings: ``--rows A`` now and ``--rows B
+--resume`` later into the same ``--out`` reads back the rows already played on the
+same inputs (the first row too) and writes one report over all of them.
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ def build_parser():
     p.add_argument("--rows", nargs="+", metavar="NAME",
                    help="play only these rows of --configs, besides its first row (the "
                    "speed baseline) and its reference row")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the rows an earlier run with the same --out, inputs and "
+                   "flags left (turns-<row>.json) instead of playing them again; the "
+                   "report says when each reused row was played")
     p.add_argument("--dataset", metavar="JSONL",
                    help="play this saved dataset (dataset.to_jsonl) instead of generating one")
     cli.add_common(p, out_required=False,
@@ -127,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                          args.quick)
         else:
             results = runner.side_by_side(sets, model, dataset_config, work, out_dir,
-                                          args.quick)
+                                          args.quick, args.resume)
     except (ServerStartError, runner.ConfigRunError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

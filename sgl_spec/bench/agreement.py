@@ -187,10 +187,7 @@ def load_turns(path: str) -> dict[str, list[TurnResult]]:
         data = json.load(f)
     out = {}
     for workload in ("chat", "longgen"):
-        out[workload] = [TurnResult(**{**t, "output_ids": tuple(t["output_ids"]),
-                                       "top_logprobs": tuple(tuple(map(tuple, p))
-                                                             for p in t["top_logprobs"])})
-                         for t in data.get(workload, [])]
+        out[workload] = [TurnResult.from_json(t) for t in data.get(workload, [])]
     return out
 
 

@@ -68,6 +68,12 @@ class TurnResult:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
+    @classmethod
+    def from_json(cls, d: dict) -> "TurnResult":
+        """The inverse of ``asdict`` after a JSON round trip (lists back to tuples)."""
+        return cls(**{**d, "output_ids": tuple(d["output_ids"]),
+                      "top_logprobs": tuple(tuple(map(tuple, p)) for p in d["top_logprobs"])})
+
 
 def _sha1(ids: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, ids)).encode()).hexdigest()

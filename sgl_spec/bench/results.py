@@ -102,6 +102,7 @@ def build(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Conversatio
         configs.append(entry)
     for entry in configs[1:] if base is not None else ():
         entry["chat_ratio"] = summary.ratios(entry["speed"]["chat"], configs[0]["speed"]["chat"])
+        entry["ratio_across_runs"] = played(entry) != played(configs[0])
     results = {
         "meta": meta,
         "dataset": {"config": asdict(dataset_config), "stats": dataset.stats(list(convs))},
@@ -117,6 +118,12 @@ def build(meta: dict, dataset_config: DatasetConfig, convs: Sequence[Conversatio
     }
     results["acceptance"] = acceptance(results)
     return results
+
+
+def played(entry: dict) -> str | None:
+    """When the row's run started (``runner.side_by_side``); a row that ``--resume``
+    read back keeps the time of the run that played it."""
+    return ((entry.get("server") or {}).get("played") or {}).get("started")
 
 
 def position_deltas(row: dict, ref: dict) -> dict[str, float | None]:

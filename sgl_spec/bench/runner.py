@@ -25,6 +25,7 @@ render them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -183,13 +184,57 @@ def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
     return ConfigRun(cfg.name, asdict(cfg), info, **played)
 
 
-def _dump_turns(out_dir: str, slug: str, run: ConfigRun) -> None:
-    """Every TurnResult with ids and logprobs, for later diagnosis."""
-    with open(os.path.join(out_dir, f"turns-{slug}.json"), "w") as f:
-        json.dump({"chat": [asdict(t) for t in run.chat],
-                   "longgen": [asdict(t) for t in run.longgen],
-                   "chats": {n: [asdict(t) for t in ts] for n, ts in (run.chats or {}).items()}},
-                  f)
+INPUT_FILES = ("dataset.jsonl", "longgen.json", "chats.json")  # __main__._write_inputs
+
+
+def fingerprint(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
+                quick: bool) -> str:
+    """What a row's results depend on besides the code: its configuration, the model,
+    the plan and everything it is asked (the inputs ``_write_inputs`` wrote)."""
+    h = hashlib.sha256(json.dumps({"config": asdict(cfg), "model": os.path.abspath(model),
+                                   "plan": asdict(work.plan), "quick": quick,
+                                   "answer_tokens": work.answer_tokens},
+                                  sort_keys=True, default=str).encode())
+    for name in INPUT_FILES:
+        with open(os.path.join(out_dir, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def _turns_path(out_dir: str, slug: str) -> str:
+    return os.path.join(out_dir, f"turns-{slug}.json")
+
+
+def _dump_turns(out_dir: str, slug: str, run: ConfigRun, fp: str | None = None) -> None:
+    """Every TurnResult with ids and logprobs, for later diagnosis, and the rest of the
+    row (server info, counters, serving figures, ``fp``) so ``--resume`` can reuse it."""
+    def turns(ts):
+        return [asdict(t) for t in ts]
+
+    with open(_turns_path(out_dir, slug), "w") as f:
+        json.dump({"chat": turns(run.chat), "longgen": turns(run.longgen),
+                   "chats": {n: turns(ts) for n, ts in (run.chats or {}).items()},
+                   "name": run.name, "config": run.config, "server": run.server,
+                   "sparse": run.sparse, "serving": run.serving, "fingerprint": fp}, f)
+
+
+def load_row(out_dir: str, slug: str, fp: str) -> ConfigRun | None:
+    """The row a earlier run of the same inputs left in ``out_dir``; None if there is
+    none, or it was played on other inputs (its fingerprint differs)."""
+    try:
+        with open(_turns_path(out_dir, slug)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if data.get("fingerprint") != fp:
+        return None
+
+    def turns(ts):
+        return [TurnResult.from_json(t) for t in ts]
+
+    return ConfigRun(data["name"], data["config"], data["server"], turns(data["chat"]),
+                     turns(data["longgen"]), data["sparse"],
+                     {n: turns(ts) for n, ts in data["chats"].items()}, data["serving"])
 
 
 def _meta(configset: str, model: str, plan: RunPlan, quick: bool) -> dict:
@@ -209,8 +254,11 @@ def _finish(meta: dict, watch: Stopwatch, dataset_config: DatasetConfig, work: W
 
 
 def side_by_side(configset: ConfigSet, model: str, dataset_config: DatasetConfig,
-                 work: Workloads, out_dir: str, quick: bool) -> dict:
-    """Every configuration of ``configset`` in file order, one server at a time."""
+                 work: Workloads, out_dir: str, quick: bool, resume: bool = False) -> dict:
+    """Every configuration of ``configset`` in file order, one server at a time.
+    ``resume``: a row whose ``turns-<row>.json`` in ``out_dir`` was played on the same
+    inputs is read back instead of played again (its server info says when and at
+    which commit it was played; the tables mark speed ratios across runs)."""
     plan = work.plan
     if plan.concurrency > 1:
         logger.warning("concurrency %d batches requests: timings and greedy outputs then "
@@ -222,8 +270,17 @@ def side_by_side(configset: ConfigSet, model: str, dataset_config: DatasetConfig
     runs: list[ConfigRun] = []
     try:
         for cfg in configset.configs:
-            run = run_config(cfg, model, work, out_dir, progress, runs[0] if runs else None)
-            _dump_turns(out_dir, cfg.slug, run)  # kept if a later configuration fails
+            fp = fingerprint(cfg, model, work, out_dir, quick)
+            run = load_row(out_dir, cfg.slug, fp) if resume else None
+            if run is not None:
+                logger.info("%s: reusing the row played at %s (--resume)", cfg.name,
+                            run.server.get("played", {}).get("started"))
+                progress.bar.update(work.turns)
+            else:
+                run = run_config(cfg, model, work, out_dir, progress,
+                                 runs[0] if runs else None)
+                run.server["played"] = {"started": meta["started"], "git": meta["git"]}
+                _dump_turns(out_dir, cfg.slug, run, fp)  # kept if a later one fails
             runs.append(run)
     finally:
         progress.close()

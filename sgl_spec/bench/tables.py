@@ -100,11 +100,12 @@ def gap_table(configs: list[dict], reference: str | None, baseline: str | None
         deltas = position_deltas(c, ref) if ref is not None else {}
         agree = (c.get("agreement") or {}).get("chat")
         r = c.get("chat_ratio") or {}
+        mark = " (other run)" if c.get("ratio_across_runs") else ""
         rows.append([c["name"], *("-" if (d := deltas.get(p)) is None else f"{d:+.1f}"
                                   for p in POSITIONS),
                      _agree_cells(agree)[0] if c is not ref else "(reference)",
-                     ratio(r.get("ttft_turn1_mean_s")), ratio(r.get("ttft_later_mean_s")),
-                     ratio(r.get("tpot_median_s"))])
+                     *(ratio(r.get(k)) + mark if r.get(k) is not None else ratio(None)
+                       for k in ("ttft_turn1_mean_s", "ttft_later_mean_s", "tpot_median_s"))])
     return table(["configuration", *(f"EM gap {p} (pts)" for p in POSITIONS),
                   "answers identical", f"TTFT turn 1 / {baseline}",
                   f"TTFT turns >= 2 / {baseline}", f"TPOT / {baseline}"], rows)
@@ -300,6 +301,21 @@ def speed_chat_lines(results: dict) -> list[str]:
     return lines
 
 
+def reused_lines(results: dict) -> list[str]:
+    """The rows ``--resume`` read back from earlier runs, with when and where played."""
+    from sgl_spec.bench.results import played
+
+    now = results["meta"]["started"]
+    rows = [[c["name"], played(c),
+             ((c["server"]["played"].get("git") or {}).get("commit") or "?")[:10]]
+            for c in results["configs"] if played(c) not in (None, now)]
+    if not rows:
+        return []
+    return ["Rows read back from earlier runs (`--resume`); their speed ratios compare "
+            "runs played at different times (marked 'other run'):", "",
+            *table(["configuration", "played", "commit"], rows), ""]
+
+
 def markdown(results: dict) -> str:
     meta, configs = results["meta"], results["configs"]
     ref = results.get("reference")
@@ -308,6 +324,7 @@ def markdown(results: dict) -> str:
         f"Model `{meta['model']}`; {len(configs)} configuration(s); dataset "
         f"{meta['dataset_preset']!r}, played with concurrency {meta['concurrency']}; "
         f"run time {meta['duration_s'] / 60:.1f} min.", "",
+        *reused_lines(results),
         "## Accuracy by query position and question source", "",
         "Exact match (F1 in brackets) and the number of questions.", "",
         *accuracy_table(configs), "",
