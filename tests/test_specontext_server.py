@@ -1,8 +1,9 @@
 """SpeContext on a real server: a head trained here (the quick form of
 ``sgl_spec.train_head``), ``--spec-mode specontext`` decoding sparse from the first
 step, elastic loading and the head's counters, a follow-up turn over the cached
-prefix (head keys from the pool), the exact fallback below ``--spec-min-context``, and
-states freed on finish."""
+prefix (head keys from the pool), the exact fallback below ``--spec-min-context``,
+states freed on finish, and the head's keys evicted to the HiCache host tier and loaded
+back with the token's KV."""
 
 from __future__ import annotations
 
@@ -77,3 +78,39 @@ class TestSpeContextServer:
         assert delta(after, before, SPARSE) == 0
         assert 23 <= delta(after, before, EXACT) <= 24
         assert after["sgl_spec:sparse_live_states"] == 0
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_head_keys_survive_hicache_write_back_and_load(model_path, head_path, tmp_path):
+    """The head's layer is one more layer of the pool, so HiCache writes it to the host
+    with the token's KV and loads it back: a prompt evicted to the host and asked again
+    decodes the same sparse tokens (the head's selection reads the restored keys;
+    keys left over from the evicting prompt would select other positions)."""
+    import argparse
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from test_hicache_cpu import PROMPT_TOKENS, _chat_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    first, evicting = _chat_prompt(argparse, tokenizer), _chat_prompt(logging, tokenizer)
+    flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
+             "--spec-draft-path", head_path, "--spec-budget", "32",
+             "--spec-min-context", "256", "--enable-metrics",
+             # Room for one 1500-token request: the next one evicts it to the host.
+             "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+             "--hicache-ratio", "2", "--enable-cache-report"]
+    with ServerProcess(SPEC, flags, log_path=str(tmp_path / "server.log")) as server:
+        before = sparse_metrics(server.url)
+        a = generate(server.url, first, 32, ignore_eos=True)
+        assert a["meta_info"]["cached_tokens"] < 16
+        assert generate(server.url, evicting, 8)["meta_info"]["cached_tokens"] < 16
+        b = generate(server.url, first, 32, ignore_eos=True)
+        after = sparse_metrics(server.url)
+    details = b["meta_info"].get("cached_tokens_details") or {}
+    assert details.get("host", 0) > PROMPT_TOKENS // 2, b["meta_info"]
+    assert delta(after, before, SPARSE) >= 2 * 31  # both answers decoded sparse
+    assert b["output_ids"] == a["output_ids"], (a["text"], b["text"])
+    assert after["sgl_spec:sparse_live_states"] == 0
