@@ -401,7 +401,8 @@ class TestBudgetCoversHistory:
     covered by the budget, so decode is exact mode's, token for token."""
 
     @pytest.fixture(scope="class")
-    def servers(self, model_path, tmp_path_factory):
+    @classmethod
+    def servers(cls, model_path, tmp_path_factory):
         # One server at a time (2-core machines): the exact-mode reference first.
         flags = ["--model-path", model_path, *COMMON_FLAGS]
         with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "exact")) as s:
@@ -429,7 +430,8 @@ class TestSmallBudget:
     """loopserve with --spec-budget 64 --spec-min-context 256 (nd 16)."""
 
     @pytest.fixture(scope="class")
-    def server(self, model_path, tmp_path_factory):
+    @classmethod
+    def server(cls, model_path, tmp_path_factory):
         flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "loopserve",
                  "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics"]
         with ServerProcess(SPEC, flags,

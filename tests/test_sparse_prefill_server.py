@@ -54,7 +54,8 @@ def delta(after: dict, before: dict, key: str) -> float:
 @pytest.mark.server
 class TestSparsePrefill:
     @pytest.fixture(scope="class")
-    def servers(self, model_path, hf_tok, tmp_path_factory):
+    @classmethod
+    def servers(cls, model_path, hf_tok, tmp_path_factory):
         prompts = {"long": long_prompt(hf_tok), "short": chatml(QUESTION)}
         flags = ["--model-path", model_path, *COMMON_FLAGS]
         with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "exact")) as s:

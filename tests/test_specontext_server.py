@@ -29,7 +29,8 @@ def head_path(model_path, tmp_path_factory):
 @pytest.mark.server
 class TestSpeContextServer:
     @pytest.fixture(scope="class")
-    def server(self, model_path, head_path, tmp_path_factory):
+    @classmethod
+    def server(cls, model_path, head_path, tmp_path_factory):
         flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
                  "--spec-draft-path", head_path, "--spec-budget", str(BUDGET),
                  "--spec-min-context", "256", "--enable-metrics"]
