@@ -181,6 +181,9 @@ def test_cli_help_and_bad_config_file(tmp_path, capsys):
         main(["--configs", str(bad), "--out", str(tmp_path / "o")])
     assert exc.value.code == 2
     assert "exactly one row" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--url", "http://127.0.0.1:1", "--resume", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--resume" in capsys.readouterr().err
 
 
 def test_run_plan_presets_and_validation():

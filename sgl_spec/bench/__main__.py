@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.setup_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.resume and args.url:
+        parser.error("--resume reads back rows of earlier side-by-side runs; with --url "
+                     "there is one row, played now: drop one of them")
     try:
         sets = None if args.url else configset.load(args.configs or configset.DEFAULT_PATH)
         if sets is not None and args.rows:
