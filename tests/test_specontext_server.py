@@ -86,8 +86,11 @@ class TestSpeContextServer:
 def test_head_keys_survive_hicache_write_back_and_load(model_path, head_path, tmp_path):
     """The head's layer is one more layer of the pool, so HiCache writes it to the host
     with the token's KV and loads it back: a prompt evicted to the host and asked again
-    decodes the same sparse tokens (the head's selection reads the restored keys;
-    keys left over from the evicting prompt would select other positions)."""
+    decodes the same sparse tokens as when it was asked again from the device cache
+    (the head's selection reads the restored keys; keys left in those slots by the
+    evicting prompt would select other positions). The reference is the device-cached
+    repeat, not the cold request: a cached prompt's last token is recomputed alone, and
+    at B=32 that rounding difference alone can change the selection."""
     import argparse
     import logging
 
@@ -104,14 +107,17 @@ def test_head_keys_survive_hicache_write_back_and_load(model_path, head_path, tm
              "--max-total-tokens", "2048", "--enable-hierarchical-cache",
              "--hicache-ratio", "2", "--enable-cache-report"]
     with ServerProcess(SPEC, flags, log_path=str(tmp_path / "server.log")) as server:
+        assert generate(server.url, first, 8)["meta_info"]["cached_tokens"] < 16
         before = sparse_metrics(server.url)
-        a = generate(server.url, first, 32, ignore_eos=True)
-        assert a["meta_info"]["cached_tokens"] < 16
+        on_device = generate(server.url, first, 32, ignore_eos=True)
         assert generate(server.url, evicting, 8)["meta_info"]["cached_tokens"] < 16
-        b = generate(server.url, first, 32, ignore_eos=True)
+        from_host = generate(server.url, first, 32, ignore_eos=True)
         after = sparse_metrics(server.url)
-    details = b["meta_info"].get("cached_tokens_details") or {}
-    assert details.get("host", 0) > PROMPT_TOKENS // 2, b["meta_info"]
+    assert on_device["meta_info"]["cached_tokens"] > PROMPT_TOKENS
+    assert not (on_device["meta_info"].get("cached_tokens_details") or {}).get("host")
+    details = from_host["meta_info"].get("cached_tokens_details") or {}
+    assert details.get("host", 0) > PROMPT_TOKENS // 2, from_host["meta_info"]
     assert delta(after, before, SPARSE) >= 2 * 31  # both answers decoded sparse
-    assert b["output_ids"] == a["output_ids"], (a["text"], b["text"])
+    assert from_host["output_ids"] == on_device["output_ids"], (on_device["text"],
+                                                               from_host["text"])
     assert after["sgl_spec:sparse_live_states"] == 0
