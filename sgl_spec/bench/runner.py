@@ -219,7 +219,7 @@ def _dump_turns(out_dir: str, slug: str, run: ConfigRun, fp: str | None = None) 
 
 
 def load_row(out_dir: str, slug: str, fp: str) -> ConfigRun | None:
-    """The row a earlier run of the same inputs left in ``out_dir``; None if there is
+    """The row an earlier run of the same inputs left in ``out_dir``; None if there is
     none, or it was played on other inputs (its fingerprint differs)."""
     try:
         with open(_turns_path(out_dir, slug)) as f:
@@ -274,7 +274,7 @@ def side_by_side(configset: ConfigSet, model: str, dataset_config: DatasetConfig
             run = load_row(out_dir, cfg.slug, fp) if resume else None
             if run is not None:
                 logger.info("%s: reusing the row played at %s (--resume)", cfg.name,
-                            run.server.get("played", {}).get("started"))
+                            results.played({"server": run.server}))
                 progress.bar.update(work.turns)
             else:
                 run = run_config(cfg, model, work, out_dir, progress,

@@ -104,7 +104,7 @@ def gap_table(configs: list[dict], reference: str | None, baseline: str | None
         rows.append([c["name"], *("-" if (d := deltas.get(p)) is None else f"{d:+.1f}"
                                   for p in POSITIONS),
                      _agree_cells(agree)[0] if c is not ref else "(reference)",
-                     *(ratio(r.get(k)) + mark if r.get(k) is not None else ratio(None)
+                     *(ratio(r.get(k)) + (mark if r.get(k) is not None else "")
                        for k in ("ttft_turn1_mean_s", "ttft_later_mean_s", "tpot_median_s"))])
     return table(["configuration", *(f"EM gap {p} (pts)" for p in POSITIONS),
                   "answers identical", f"TTFT turn 1 / {baseline}",
