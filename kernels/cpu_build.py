@@ -1,16 +1,25 @@
 """Build-on-first-use for sgl_spec's C++ CPU kernels (``*/csrc/*.cpp``).
 
 ``torch.utils.cpp_extension.load`` compiles a kernel once (g++ and ninja, 30-90 s)
-and caches it under torch's extension directory, keyed by source, flags and the CPU's
-vector capability (the sources are compiled with ``-march=native``). Where a kernel
-cannot be built the caller's torch path runs instead (one warning);
-``SGLSPEC_CPU_KERNELS=0`` turns every C++ kernel off, ``=1`` makes a failed build raise.
+and caches it under torch's extension directory (``TORCH_EXTENSIONS_DIR``), in a
+directory of its own per source digest (the ``.cpp``, the shared headers, the flags) and
+CPU vector capability (the sources are compiled with ``-march=native``): two checkouts
+with different sources keep two builds instead of rebuilding each other's.
 
+Builds are serialised across processes by an ``flock`` on ``<dir>.flock``, which the
+kernel drops when its holder dies. torch's own lock file (``<dir>/lock``, which a build
+killed midway leaves behind, and every later build then waits on forever) is therefore
+stale whenever it is found by a holder of the flock, and is removed with a warning.
+
+Where a kernel cannot be built the caller's torch path runs instead (one warning);
+``SGLSPEC_CPU_KERNELS=0`` turns every C++ kernel off, ``=1`` makes a failed build raise.
 Thread-safe; a module is built at most once per process.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -30,6 +39,29 @@ _lock = threading.Lock()
 _built: dict[str, ModuleType | None] = {}
 
 
+def build_dir(name: str, source: Path, cap: str) -> Path:
+    """Where ``name`` built from ``source`` for CPU capability ``cap`` lives."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(INCLUDE.glob("*.h")):
+        digest.update(header.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "sgl_spec" / f"{name}_{cap}_{digest.hexdigest()[:12]}"
+
+
+def clear_stale_lock(directory: Path) -> bool:
+    """Remove torch's lock file in ``directory``; call only while holding the flock.
+    True if one was there (a build killed midway left it)."""
+    stale = directory / "lock"
+    if not stale.exists():
+        return False
+    logger.warning("removing %s, left by a kernel build that was killed midway", stale)
+    stale.unlink(missing_ok=True)
+    return True
+
+
 def _build(name: str, source: Path) -> ModuleType:
     import torch
     from torch.utils.cpp_extension import load
@@ -40,9 +72,15 @@ def _build(name: str, source: Path) -> ModuleType:
     if shutil.which("ninja") is None and shutil.which("ninja", path=env_bin):
         os.environ["PATH"] = env_bin + os.pathsep + os.environ.get("PATH", "")
     cap = torch.backends.cpu.get_cpu_capability().lower()
-    return load(name=f"sgl_spec_{name}_{cap}", sources=[str(source)], extra_cflags=FLAGS,
-                extra_include_paths=[str(INCLUDE)], extra_ldflags=["-fopenmp"],
-                verbose=False)
+    directory = build_dir(name, source, cap)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(f"{directory}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or when this process dies
+        clear_stale_lock(directory)
+        return load(name=f"sgl_spec_{name}_{cap}", sources=[str(source)],
+                    extra_cflags=FLAGS, extra_include_paths=[str(INCLUDE)],
+                    extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                    verbose=False)
 
 
 def load_cpu_kernel(name: str, source: Path) -> ModuleType | None:
