@@ -29,8 +29,6 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monk
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     source = tmp_path / "k.cpp"
     source.write_text("int f() { return 1; }\n")
-    import torch
-
     cap = torch.backends.cpu.get_cpu_capability().lower()
     directory = cpu_build.build_dir("k", source, cap)
     directory.mkdir(parents=True)
@@ -68,4 +66,3 @@ def test_clear_stale_lock_reports_whether_one_was_there(tmp_path):
     (tmp_path / "lock").touch()
     assert cpu_build.clear_stale_lock(tmp_path) is True
     assert not (tmp_path / "lock").exists()
-
