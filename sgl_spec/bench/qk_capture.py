@@ -56,12 +56,13 @@ def chat_prompt(tokenizer, n_tokens: int, seed: int = 0) -> ChatPrompt:
 
 
 def load_model(path: str):
-    """(model, tokenizer) in bf16 on CPU, attention routed through the capture."""
+    """(model, tokenizer) in float32 on CPU, attention routed through the capture
+    (float32: CPUs without AVX512-BF16 run bf16 GEMMs several times slower)."""
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     AttentionInterface.register(_CAPTURE, _capture_attention)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, attn_implementation=_CAPTURE
+        path, dtype=torch.float32, attn_implementation=_CAPTURE
     )
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
@@ -72,8 +73,9 @@ _SINK: list[LayerQK] | None = None
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _SINK is not None:  # [1, H, T, D] -> [T, H, D]
-        _SINK.append(LayerQK(*(t[0].transpose(0, 1).contiguous() for t in (query, key, value))))
+    if _SINK is not None:  # [1, H, T, D] -> [T, H, D], bf16 as the served KV pool
+        _SINK.append(LayerQK(*(t[0].transpose(0, 1).to(torch.bfloat16).contiguous()
+                               for t in (query, key, value))))
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

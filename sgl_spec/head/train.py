@@ -134,8 +134,11 @@ def load_target(model_path: str):
     rec = Recorder()
     AttentionInterface.register("sgl_spec_head_capture", rec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # float32: the attention rows are training targets (precision), and CPUs without
+    # AVX512-BF16 run bf16 GEMMs ~5x slower than float32 (an AVX2 host took 100 s a
+    # sequence in bf16).
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.bfloat16, attn_implementation="sgl_spec_head_capture")
+        model_path, dtype=torch.float32, attn_implementation="sgl_spec_head_capture")
     model.eval()
     return model, AutoTokenizer.from_pretrained(model_path), rec
 

@@ -1,0 +1,237 @@
+"""Host rows shared by every layer, with logical token slots mapped onto them.
+
+A stock host slot holds one token's K and V at every layer, so a compressed payload
+saves nothing unless slots stop owning their rows. Here a slot owns, per layer, one
+of: its own row (``map >= 0``), nothing (``UNSTORED``: recomputed on restore), or a
+share of a merged pair's direction row (``map = -2 - row``, with its own magnitudes).
+Rows come from one arena for all layers, so a row freed at any layer serves any other.
+
+``alloc(n)`` reserves n slots *and* n * L rows (a backup never fails halfway);
+``available()`` is in full-size tokens, so callers that count tokens stay correct.
+Not thread-safe: the host pool that owns it takes its lock. CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .merge import MergeParams, merge, pair_retained
+from .select import Strategy
+
+UNSTORED = -1
+_FREE = -1 << 30          # a free slot's map entries (never read)
+
+
+def merged_code(row: torch.Tensor) -> torch.Tensor:
+    return -2 - row
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """What ``Arena.compress`` did to a run of slots."""
+
+    rows_freed: int
+    tokens_merged: int      # (token, pair)s whose direction is shared
+    tokens_retained: int    # (token, pair)s kept unmerged as too distinct
+
+
+class _Stack:
+    """Free indices: pop a prefix, push at the end; a used mask catches double frees."""
+
+    def __init__(self, n: int):
+        self.free = torch.arange(n, dtype=torch.int64)
+        self.used = torch.zeros(n, dtype=torch.bool)
+        self.parts: list[torch.Tensor] = []
+        self.count = n
+
+    def pop(self, n: int) -> torch.Tensor | None:
+        if n > self.count:
+            return None
+        if n > len(self.free):
+            self.free = torch.cat([self.free, *self.parts])
+            self.parts = []
+        out, self.free = self.free[:n], self.free[n:]
+        self.used[out] = True
+        self.count -= n
+        return out
+
+    def push(self, idx: torch.Tensor) -> None:
+        if not idx.numel():
+            return
+        if not self.used[idx].all():
+            raise RuntimeError(f"double free of {idx[~self.used[idx]].tolist()[:8]}")
+        self.used[idx] = False
+        self.parts.append(idx.clone())
+        self.count += idx.numel()
+
+
+class Arena:
+    """Rows: k, v [num_rows, H, D]; magnitudes [num_mags, 2 (K/V), H]; maps [L, slots]."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_rows: int, num_heads: int,
+                 head_dim: int, dtype: torch.dtype, num_mags: int | None = None):
+        self.L, self.H, self.D, self.dtype = num_layers, num_heads, head_dim, dtype
+        self.k = torch.empty(num_rows, num_heads, head_dim, dtype=dtype)
+        self.v = torch.empty(num_rows, num_heads, head_dim, dtype=dtype)
+        num_mags = num_rows if num_mags is None else num_mags
+        self.mag = torch.empty(num_mags, 2, num_heads, dtype=dtype)
+        self.map = torch.full((num_layers, num_slots), _FREE, dtype=torch.int64)
+        self.mag_of = torch.full((num_layers, num_slots), -1, dtype=torch.int64)
+        self.slots, self.rows, self.mags = _Stack(num_slots), _Stack(num_rows), _Stack(num_mags)
+
+    @staticmethod
+    def bytes_for(num_slots: int, num_layers: int, num_rows: int, num_heads: int,
+                  head_dim: int, itemsize: int, num_mags: int | None = None) -> int:
+        """Memory the arena takes (rows, magnitudes, maps and free lists)."""
+        num_mags = num_rows if num_mags is None else num_mags
+        return (2 * num_rows * num_heads * head_dim * itemsize + num_mags * 2 * num_heads * itemsize
+                + 2 * num_layers * num_slots * 8 + (num_slots + num_rows + num_mags) * 9)
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's K and V at one layer."""
+        return 2 * self.H * self.D * self.k.element_size()
+
+    def available(self) -> int:
+        """Tokens that can still be allocated at full size."""
+        return min(self.slots.count, self.rows.count // self.L)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n slots, each with its own row at every layer; None if they do not fit."""
+        if n > self.available():
+            return None
+        slots = self.slots.pop(n)
+        self.map[:, slots] = self.rows.pop(n * self.L).view(self.L, n)
+        self.mag_of[:, slots] = -1
+        return slots
+
+    def free(self, slots: torch.Tensor) -> int:
+        """Release the slots and every row and magnitude they hold; returns len(slots)."""
+        slots = slots.cpu().long()
+        if not slots.numel():
+            return 0
+        if not self.slots.used[slots].all():
+            raise RuntimeError(f"double free of slots {slots[~self.slots.used[slots]].tolist()[:8]}")
+        m = self.map[:, slots]
+        own = m[m >= 0]
+        direction = merged_code(m[m <= -2])
+        self.rows.push(torch.cat([own, direction.unique()]))
+        self.mags.push(self.mag_of[:, slots][self.mag_of[:, slots] >= 0])
+        self.map[:, slots] = _FREE
+        self.mag_of[:, slots] = -1
+        self.slots.push(slots)
+        return slots.numel()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one layer's K/V ([n, H, D]) in the slots' own rows (a backup)."""
+        rows = self.map[layer, slots.cpu().long()]
+        if (rows < 0).any():
+            raise RuntimeError(f"layer {layer}: slots without their own row cannot be written")
+        self.k[rows] = k.to(self.dtype)
+        self.v[rows] = v.to(self.dtype)
+
+    def read(self, layer: int, slots: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's K/V of the slots: ([n, H, D], [n, H, D], stored [n] bool).
+        Merged entries are direction x this layer's magnitude; unstored ones are zero
+        (the restore recomputes them)."""
+        m = self.map[layer, slots.cpu().long()]
+        n = m.numel()
+        k = torch.zeros(n, self.H, self.D, dtype=self.dtype)
+        v = torch.zeros_like(k)
+        own = m >= 0
+        k[own], v[own] = self.k[m[own]], self.v[m[own]]
+        mer = m <= -2
+        if mer.any():
+            rows = merged_code(m[mer])
+            mags = self.mag[self.mag_of[layer, slots.cpu().long()][mer]]        # [r, 2, H]
+            k[mer] = (self.k[rows].float() * mags[:, 0, :, None].float()).to(self.dtype)
+            v[mer] = (self.v[rows].float() * mags[:, 1, :, None].float()).to(self.dtype)
+        return k, v, m != UNSTORED
+
+    def compress(self, slots: torch.Tensor, strategy: Strategy, unstored: Sequence[int],
+                 params: MergeParams = MergeParams()) -> Compressed:
+        """Compress a run of uncompressed slots (in token order) in place.
+
+        Layer l drops the rows of its first ``unstored[l]`` slots (non-increasing, the
+        restore pyramid); each pair (i, j) merges the slots both layers still store,
+        except the ``params.retain`` most distinct. Freed rows return to the arena at
+        once: the full copy is never kept beside the compressed one."""
+        slots = slots.cpu().long()
+        n = slots.numel()
+        if strategy.num_layers != self.L or len(unstored) != self.L:
+            raise ValueError(f"strategy for {strategy.num_layers} layers and {len(unstored)} "
+                             f"unstored lengths; this arena has {self.L} layers")
+        if any(a < b for a, b in zip(unstored, unstored[1:])):
+            raise ValueError(f"unstored lengths must be non-increasing, got {list(unstored)}")
+        m = self.map[:, slots]
+        if (m < 0).any():
+            raise RuntimeError("compress needs slots that own a row at every layer")
+        freed = merged = retained = 0
+        for layer, u in enumerate(unstored):
+            u = min(u, n)
+            if u:
+                self.rows.push(m[layer, :u].clone())
+                self.map[layer, slots[:u]] = UNSTORED
+                freed += u
+        for i, j in strategy.pairs:
+            start = min(max(unstored[i], unstored[j]), n)
+            if start >= n:
+                continue
+            s = slots[start:]
+            ri, rj = self.map[i, s], self.map[j, s]
+            keep = pair_retained(self.k[ri], self.k[rj], self.v[ri], self.v[rj], params.retain)
+            go = ~keep
+            if not go.any():
+                continue
+            mags = self.mags.pop(2 * int(go.sum()))
+            if mags is None:
+                raise RuntimeError("arena out of magnitude entries")
+            mi, mj = mags.view(2, -1)
+            ri, rj, sg = ri[go], rj[go], s[go]
+            km = merge(self.k[ri], self.k[rj], params, torch.zeros(len(ri), dtype=torch.bool))
+            vm = merge(self.v[ri], self.v[rj], params, torch.zeros(len(ri), dtype=torch.bool))
+            self.k[ri], self.v[ri] = km.direction, vm.direction
+            self.mag[mi, 0], self.mag[mi, 1] = km.mag_i, vm.mag_i
+            self.mag[mj, 0], self.mag[mj, 1] = km.mag_j, vm.mag_j
+            self.map[i, sg] = self.map[j, sg] = merged_code(ri)
+            self.mag_of[i, sg], self.mag_of[j, sg] = mi, mj
+            self.rows.push(rj)
+            freed += len(rj)
+            merged += len(ri)
+            retained += int(keep.sum())
+        return Compressed(freed, merged, retained)
+
+    def stored_bytes(self, slots: torch.Tensor) -> int:
+        """Bytes the slots hold: own rows, each shared direction once, magnitudes."""
+        m = self.map[:, slots.cpu().long()]
+        rows = int((m >= 0).sum()) + merged_code(m[m <= -2]).unique().numel()
+        mags = int((self.mag_of[:, slots.cpu().long()] >= 0).sum())
+        return rows * self.row_bytes + mags * 2 * self.H * self.mag.element_size()
+
+    def full_bytes(self, n: int) -> int:
+        """What n tokens take in a stock host pool (every layer, K and V)."""
+        return n * self.L * self.row_bytes
+
+    def checksum(self, slots: torch.Tensor) -> int:
+        """xxh3_64 of what the slots store, in token and layer order (row numbers do
+        not enter it: the same content anywhere in the arena sums the same)."""
+        slots = slots.cpu().long()
+        h = xxhash.xxh3_64()
+        for layer in range(self.L):
+            m = self.map[layer, slots]
+            kind = torch.where(m >= 0, 0, torch.where(m == UNSTORED, 1, 2)).to(torch.int8)
+            h.update(kind.numpy().tobytes())
+            own = m[m >= 0]
+            for buf in (self.k, self.v):
+                h.update(buf[own].view(torch.uint8).numpy().tobytes())
+            mer = m <= -2
+            if mer.any():
+                for buf in (self.k, self.v):
+                    h.update(buf[merged_code(m[mer])].view(torch.uint8).numpy().tobytes())
+                h.update(self.mag[self.mag_of[layer, slots][mer]].view(torch.uint8).numpy().tobytes())
+        return h.intdigest()

@@ -1,0 +1,127 @@
+"""Krul's host arena: logical slots over rows shared by every layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_spec.krul.arena import UNSTORED, Arena
+from sgl_spec.krul.merge import MergeParams
+from sgl_spec.krul.select import Strategy
+
+L, H, D = 6, 2, 8
+
+
+def _filled(n=10, slots=40, rows=None, dtype=torch.float32, seed=0):
+    """An arena with n tokens backed up; poisoned with NaN so unwritten rows show."""
+    a = Arena(slots, L, rows or slots * L, H, D, dtype)
+    a.k.fill_(float("nan"))
+    a.v.fill_(float("nan"))
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, H, D, generator=g)
+    k = torch.stack([base * (1 + 0.1 * l) + 0.05 * torch.randn(n, H, D, generator=g)
+                     for l in range(L)]).to(dtype)                        # similar layers
+    v = torch.randn(L, n, H, D, generator=g).to(dtype)
+    s = a.alloc(n)
+    for l in range(L):
+        a.write(l, s, k[l], v[l])
+    return a, s, k, v
+
+
+def test_backup_reads_back_exactly():
+    a, s, k, v = _filled()
+    for l in range(L):
+        kk, vv, stored = a.read(l, s)
+        assert torch.equal(kk, k[l]) and torch.equal(vv, v[l]) and stored.all()
+    assert a.stored_bytes(s) == a.full_bytes(10)
+
+
+def test_alloc_reserves_rows_for_every_layer_and_free_returns_them():
+    a = Arena(8, L, 8 * L, H, D, torch.float32)
+    s = a.alloc(5)
+    assert a.available() == 3 and a.alloc(4) is None
+    a.free(s)
+    assert a.available() == 8
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(s)
+
+
+def test_compress_frees_rows_at_once_and_capacity_grows():
+    """With every layer paired (r_l = 1) and nothing retained, half the rows come back:
+    more tokens fit at the same byte budget (the point of Krul's host pool)."""
+    a, s, k, v = _filled(n=10, slots=40, rows=10 * L)
+    assert a.available() == 0
+    strat = Strategy(L, ((0, 1), (2, 3), (4, 5)))
+    c = a.compress(s, strat, [0] * L, MergeParams(retain=0.0))
+    assert c.rows_freed == 30 and c.tokens_merged == 30
+    assert a.available() == 5
+    # half the rows, plus a magnitude per head, K and V, for each merged (token, layer)
+    assert a.stored_bytes(s) == a.full_bytes(10) // 2 + 10 * L * 2 * H * 4
+    for l in range(L):
+        kk, vv, stored = a.read(l, s)
+        assert stored.all() and not kk.isnan().any()
+        # magnitudes are kept exactly (up to the dtype)
+        torch.testing.assert_close(kk.norm(dim=-1), k[l].norm(dim=-1))
+        torch.testing.assert_close(vv.norm(dim=-1), v[l].norm(dim=-1))
+
+
+def test_unstored_prefix_and_retained_tokens():
+    a, s, k, v = _filled(n=20)
+    strat = Strategy(L, ((1, 4),), (0,))
+    U = [6, 4, 4, 2, 0, 0]
+    c = a.compress(s, strat, U, MergeParams(retain=0.25))
+    for l in range(L):
+        kk, vv, stored = a.read(l, s)
+        assert (~stored).sum() == U[l] and not stored[U[l]:].logical_not().any()
+        assert torch.equal(kk[~stored], torch.zeros_like(kk[~stored]))
+        if l not in (1, 4):   # unpaired layers keep their stored rows exactly
+            assert torch.equal(kk[U[l]:], k[l][U[l]:])
+    # pair (1, 4) merges the 16 tokens both store, keeping ceil(0.25 * 16) = 4 apart
+    assert c.tokens_merged == 12 and c.tokens_retained == 4
+    assert (a.map[1, s][4:] >= 0).sum() == 4 and (a.map[1, s] == UNSTORED).sum() == 4
+
+
+def test_free_after_compress_returns_everything():
+    a, s, _, _ = _filled(n=10, slots=20)
+    before = a.rows.count + a.map[:, s].ge(0).sum().item()
+    a.compress(s, Strategy(L, ((0, 1), (2, 5))), [3, 3, 2, 1, 0, 0])
+    a.free(s)
+    assert a.rows.count == before and a.mags.count == a.mag.shape[0]
+    assert a.available() == 20
+
+
+def test_checksum_sees_one_flipped_byte_and_ignores_placement():
+    a, s, k, v = _filled(n=10)
+    a.compress(s, Strategy(L, ((0, 1),)), [2, 1, 0, 0, 0, 0])
+    before = a.checksum(s)
+    row = a.map[3, s[5]]
+    a.k[row].view(torch.uint8)[0, 0] ^= 1
+    assert a.checksum(s) != before
+    a.k[row].view(torch.uint8)[0, 0] ^= 1
+    assert a.checksum(s) == before
+    # the same content written elsewhere in another arena sums the same
+    b = Arena(40, L, 40 * L, H, D, torch.float32)
+    b.alloc(7)
+    t = b.alloc(10)
+    for l in range(L):
+        b.write(l, t, k[l], v[l])
+    b.compress(t, Strategy(L, ((0, 1),)), [2, 1, 0, 0, 0, 0])
+    assert b.checksum(t) == before
+
+
+def test_bad_calls_are_refused():
+    a, s, _, _ = _filled(n=4)
+    with pytest.raises(ValueError, match="non-increasing"):
+        a.compress(s, Strategy(L), [0, 1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="this arena has 6 layers"):
+        a.compress(s, Strategy(5), [0] * 5)
+    a.compress(s, Strategy(L, ((0, 1),)), [1, 0, 0, 0, 0, 0])
+    with pytest.raises(RuntimeError, match="own a row at every layer"):
+        a.compress(s, Strategy(L, ((0, 1),)), [0] * L)
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        a.write(0, s, torch.zeros(4, H, D), torch.zeros(4, H, D))
+
+
+def test_bytes_for_counts_rows_maps_and_magnitudes():
+    assert Arena.bytes_for(10, 6, 60, 2, 8, 2) == 2 * 60 * 2 * 8 * 2 + 60 * 2 * 2 * 2 + \
+        2 * 6 * 10 * 8 + (10 + 60 + 60) * 9
