@@ -1,7 +1,8 @@
-"""sgl_spec's serving options (the ``--spec-*`` flags): one frozen config of three parts.
+"""sgl_spec's serving options (the ``--spec-*`` flags): one frozen config of four parts.
 
 ``SpecConfig`` composes ``CacheConfig`` (radix cache), ``DecodeConfig`` (decode
-attention) and ``PrefillConfig`` (prefill attention). Every default lives here, once,
+attention), ``PrefillConfig`` (prefill attention) and ``KrulConfig`` (compressed host
+tier). Every default lives here, once,
 and is the served default; each field's flag, help and valid values live in ``FLAGS``,
 from which the launcher builds its argument group. The launcher validates the flags
 and hands the config to sglang's spawned processes as JSON (``SGLSPEC_CONFIG``).
@@ -35,7 +36,7 @@ class Flag(NamedTuple):
     """One ``--spec-*`` flag: where its value goes and what it accepts."""
 
     name: str
-    section: str  # "cache", "decode", "prefill" or "" (SpecConfig itself)
+    section: str  # "cache", "decode", "prefill", "krul" or "" (SpecConfig itself)
     field: str
     kind: str  # "choice", "int", "fraction", "bool" or "path"
     help: str
@@ -104,6 +105,26 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-prefill-reuse", "prefill", "reuse", "bool",
          "loopserve prefill: seed each extend's selection with the lines kept on the "
          "cached turn it continues (a payload of the radix tree's nodes)."),
+    Flag("--spec-krul", "krul", "enable", "bool",
+         "Krul: when HiCache demotes a conversation's KV from the device, merge the "
+         "layer pairs whose attention is most alike (MiniCache-style, magnitudes kept) "
+         "in the host tier, so it holds more conversations. Needs "
+         "--enable-hierarchical-cache."),
+    Flag("--spec-krul-gamma", "krul", "gamma", "fraction",
+         "Krul: layers whose attention share on the first and last 10%% of the history "
+         "is under this are input-sensitive and never shared (Algorithm 1's threshold)."),
+    Flag("--spec-krul-ratio", "krul", "ratio", "fraction",
+         "Krul: share of the layers to pair up (r_l; the paper's 0.5)."),
+    Flag("--spec-krul-retain", "krul", "retain", "fraction",
+         "Krul: share of a pair's tokens kept unmerged, those whose K or V directions "
+         "differ most between the two layers."),
+    Flag("--spec-krul-max-error", "krul", "max_error", "fraction",
+         "Krul: a pair whose merged KV would differ from the layers' own by more than this "
+         "(relative L2 error, K or V, over the node's tokens) is kept exact instead."),
+    Flag("--spec-krul-stats", "krul", "stats_path", "path",
+         "Krul: the model's attention statistics, a file written by 'python -m "
+         "sgl_spec.calibrate strategy'. Empty: measured once for --model-path into the "
+         "cache dir."),
     Flag("--spec-disable", "", "disable", "bool",
          "Serve with stock sglang components (torch_native attention on CPU, sglang's "
          "default radix cache) for side-by-side comparison."),
@@ -129,7 +150,7 @@ def _check(section: str, obj) -> None:
         if flag.kind == "bool" and not isinstance(v, bool):
             raise ValueError(f"{flag.name} {v!r} is invalid; valid values: true, false")
         if flag.kind == "path" and not isinstance(v, str):
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: a directory path")
+            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: a path")
 
 
 @dataclass(frozen=True)
@@ -211,8 +232,35 @@ class PrefillConfig:
         _check("prefill", self)
 
 
+@dataclass(frozen=True)
+class KrulConfig:
+    """Krul (issue 17): compressed cross-layer KV for demoted conversations. gamma is
+    not given by the paper: 0.8 is provisional (on the default model's statistics,
+    ``python -m sgl_spec.calibrate strategy``, it leaves layers 0-10, with shares
+    0.41-0.75, unshared: the early layers the paper finds input-sensitive) until issue
+    17 measures it against accuracy. ratio 0.5 is the paper's (Sec 8.5); retain 0.05
+    bounds what MiniCache's retained tokens cost. max_error 0.2 is the exact fallback:
+    on the default model every pair's K and V are nearly orthogonal (cosine ~0) and a
+    merge errs by 0.65-0.88, which changed a greedy answer after its first token, so
+    no pair merges there (docs/design/krul.md, "Step 2")."""
+
+    enable: bool = False
+    gamma: float = 0.8
+    ratio: float = 0.5
+    retain: float = 0.05
+    max_error: float = 0.2
+    stats_path: str = ""
+
+    def __post_init__(self):
+        _check("krul", self)
+        if self.stats_path and not self.enable:
+            raise ValueError("--spec-krul-stats is read only with --spec-krul; valid: drop "
+                             "it, or add --spec-krul")
+
+
 # SpecConfig's parts: field name (and FLAGS section) -> its config class.
-PARTS: dict[str, type] = {"cache": CacheConfig, "decode": DecodeConfig, "prefill": PrefillConfig}
+PARTS: dict[str, type] = {"cache": CacheConfig, "decode": DecodeConfig,
+                          "prefill": PrefillConfig, "krul": KrulConfig}
 
 
 @dataclass(frozen=True)
@@ -223,15 +271,19 @@ class SpecConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    krul: KrulConfig = field(default_factory=KrulConfig)
 
     def __post_init__(self):
         _check("", self)
+        if self.disable and self.krul.enable:
+            raise ValueError("--spec-krul needs sgl_spec's cache; valid: drop --spec-disable, "
+                             "or drop --spec-krul")
 
     @property
     def tagged_cache(self) -> bool:
         """Whether a feature reads turn tags on the radix tree's nodes (turn eviction,
         LoopServe's kept lines); otherwise the cache runs sglang's compiled tree core."""
-        return self.cache.eviction == "turn" or (
+        return self.cache.eviction == "turn" or self.krul.enable or (
             self.prefill.mode == "loopserve" and self.prefill.reuse)
 
     def to_json(self) -> str:

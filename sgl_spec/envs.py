@@ -21,6 +21,9 @@ SGLSPEC_CONFIG = "SGLSPEC_CONFIG"
 SGLSPEC_CPU_KERNELS = "SGLSPEC_CPU_KERNELS"
 # Where prepared models live (default: $XDG_CACHE_HOME/sgl_spec or ~/.cache/sgl_spec).
 SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
+# Fault injection for tests: "1" flips one stored byte of every node Krul compresses,
+# after its checksum is taken (the load must be refused and the tokens recomputed).
+SGLSPEC_KRUL_CORRUPT = "SGLSPEC_KRUL_CORRUPT"
 
 
 def _choice(name: str, valid: tuple[str, ...]) -> str:
@@ -37,6 +40,10 @@ def platform_override() -> str:
 
 def cpu_kernels() -> str:
     return _choice(SGLSPEC_CPU_KERNELS, ("auto", "0", "1"))
+
+
+def krul_corrupt() -> bool:
+    return _choice(SGLSPEC_KRUL_CORRUPT, ("0", "1")) == "1"
 
 
 def spec_config_json() -> str | None:

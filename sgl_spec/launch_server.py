@@ -9,6 +9,8 @@ environment. Defaults that differ from stock sglang (only where not given):
   (with ``--spec-disable``: stock components, torch_native attention on CPU);
 * on CPU hosts: ``--device cpu`` and ``--max-total-tokens 32768`` (stock sglang
   sizes a 15 GB KV pool on these machines);
+* ``--spec-krul``: the model's attention statistics, measured once into the cache dir
+  (``python -m sgl_spec.calibrate strategy``);
 * ``--spec-mode specontext`` without ``--spec-draft-path``: the retrieval head trained
   for the model (``sgl_spec.train_head``), once, into the cache dir; on GPU hosts
   ``--disable-cuda-graph`` (the head runs in Python before each step).
@@ -70,6 +72,13 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
             HeadConfig.load(cfg.decode.draft_path)
         except (OSError, ValueError) as exc:
             parser.error(f"--spec-draft-path {cfg.decode.draft_path!r}: {exc}")
+    if cfg.krul.stats_path:
+        from sgl_spec.krul.calibrate import load
+
+        try:
+            load(cfg.krul.stats_path)
+        except ValueError as exc:
+            parser.error(f"--spec-krul-stats: {exc}")
     return cfg, rest
 
 
@@ -97,6 +106,36 @@ def with_head(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecC
                 "trained for %s (trained once, then reused)", model)
     return dataclasses.replace(
         cfg, decode=dataclasses.replace(cfg.decode, draft_path=prepare(model)))
+
+
+def check_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
+    """ValueError where ``--spec-krul`` cannot work with sglang's flags."""
+    if not cfg.krul.enable:
+        return
+    if not _given(argv, "--enable-hierarchical-cache"):
+        raise ValueError("--spec-krul compresses what HiCache keeps in host memory; valid: "
+                         "add --enable-hierarchical-cache, or drop --spec-krul")
+    backend = _value(argv, "--hicache-storage-backend")
+    if backend not in (None, "", "none"):
+        raise ValueError(f"--spec-krul with --hicache-storage-backend {backend} is not "
+                         "supported yet; valid: no --hicache-storage-backend")
+    if _given(argv, "--disable-radix-cache"):
+        raise ValueError("--spec-krul needs the radix cache; valid: drop "
+                         "--disable-radix-cache, or drop --spec-krul")
+
+
+def with_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
+    """``cfg`` with Krul's statistics path filled in: the served model's, measured once
+    (progress bar) into the cache dir."""
+    if cfg.disable or not cfg.krul.enable or cfg.krul.stats_path:
+        return cfg
+    import dataclasses
+
+    from sgl_spec.krul.calibrate import prepare
+
+    model = _value(argv, "--model-path", "--model")
+    return dataclasses.replace(
+        cfg, krul=dataclasses.replace(cfg.krul, stats_path=prepare(model)))
 
 
 def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list[str]:
@@ -136,9 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         server.print_help(PROG, spec_config.add_cli_args)
         return
     cfg, rest = split_argv(argv)  # bad --spec-* flags fail before sglang loads
+    try:
+        check_krul(cfg, rest)
+    except ValueError as exc:
+        _spec_parser().error(str(exc))
     plugin.register()  # makes "sgl_spec" a valid --attention-backend choice
     argv = sglang_argv(cfg, rest, cpu=not cuda_host())
-    cfg = with_head(cfg, argv)
+    cfg = with_krul(with_head(cfg, argv), argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
     server.serve(argv, add_route=not cfg.disable)
 

@@ -125,3 +125,18 @@ def test_bad_calls_are_refused():
 def test_bytes_for_counts_rows_maps_and_magnitudes():
     assert Arena.bytes_for(10, 6, 60, 2, 8, 2) == 2 * 60 * 2 * 8 * 2 + 60 * 2 * 2 * 2 + \
         2 * 6 * 10 * 8 + (10 + 60 + 60) * 9
+
+
+def test_a_pair_that_merges_badly_stays_exact():
+    """Layers 4 and 5 hold unrelated V (random): merging them errs ~0.7, over the
+    bound, so only pair (0, 1), whose K are alike... V too here, merges."""
+    a, s, k, v = _filled(n=16)
+    v[1] = v[0] * 1.2                         # pair (0, 1): alike
+    for l in (0, 1):
+        a.write(l, s, k[l], v[l])
+    c = a.compress(s, Strategy(L, ((0, 1), (4, 5))), [0] * L,
+                   MergeParams(retain=0.0, max_error=0.2))
+    assert c.pairs_skipped == 1 and c.tokens_merged == 16
+    for l in (4, 5):                          # exact, own rows
+        kk, vv, _ = a.read(l, s)
+        assert torch.equal(kk, k[l]) and torch.equal(vv, v[l])

@@ -172,3 +172,50 @@ def test_help_lists_sglang_and_spec_flags():
     assert "Default: exact" in text
     assert "Integer >= 1. Default: 1024." in text and "Default: 2048." in text
     assert "Number in (0, 1]. Default: 0.97." in text
+
+
+def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
+    from sgl_spec.config import KrulConfig
+    from sgl_spec.launch_server import check_krul
+
+    cfg, rest = split_argv(["--spec-krul", "--spec-krul-ratio", "0.25", "--spec-krul-max-error",
+                            "0.5", "--enable-hierarchical-cache"])
+    assert cfg.krul == KrulConfig(enable=True, ratio=0.25, max_error=0.5)
+    assert cfg.tagged_cache and rest == ["--enable-hierarchical-cache"]
+    check_krul(cfg, rest)
+    with pytest.raises(ValueError, match="add --enable-hierarchical-cache"):
+        check_krul(cfg, [])
+    with pytest.raises(ValueError, match="valid: no --hicache-storage-backend"):
+        check_krul(cfg, [*rest, "--hicache-storage-backend", "file"])
+    with pytest.raises(ValueError, match="read only with --spec-krul"):
+        KrulConfig(stats_path="x.json")
+    with pytest.raises(ValueError, match="drop --spec-disable"):
+        SpecConfig(disable=True, krul=KrulConfig(enable=True))
+
+
+def test_krul_stats_file_is_checked_before_sglang_loads(tmp_path, capsys):
+    bad = tmp_path / "stats.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        split_argv(["--spec-krul", "--spec-krul-stats", str(bad)])
+    assert exc.value.code == 2
+    assert "--spec-krul-stats" in capsys.readouterr().err
+
+
+def test_calibration_rows_and_statistics_file_round_trip(tmp_path):
+    import torch
+
+    from sgl_spec.krul import calibrate
+    from sgl_spec.krul.similarity import Similarity
+
+    cc = calibrate.CalibrationConfig(last_rows=4, random_rows=3)
+    rows = calibrate.query_rows(100, cc, torch.Generator().manual_seed(0))
+    assert rows[-4:].tolist() == [96, 97, 98, 99] and len(rows) == 7
+    assert bool((rows[:-4] >= 50).all()) and rows.tolist() == sorted(set(rows.tolist()))
+    with pytest.raises(ValueError, match="cannot be read"):
+        calibrate.load(str(tmp_path / "missing.json"))
+    sim = Similarity(3)
+    sim.gram += torch.eye(3)
+    path = tmp_path / "s.json"
+    path.write_text(__import__("json").dumps({"format": 1, "stats": sim.to_dict()}))
+    torch.testing.assert_close(calibrate.load(str(path)).gram, sim.gram)

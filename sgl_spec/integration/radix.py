@@ -7,9 +7,10 @@ Subclasses of sglang's UnifiedRadixCache, built through sglang's own
   cache's own path costs what stock's does plus recording each insert's token ids
   (``tree_view.SlotTokens``) for ``GET /sgl_spec/cache``, which derives turns and
   rounds on demand;
-* ``TaggedRadixCache`` (``SpecConfig.tagged_cache``: ``--spec-cache-eviction turn``, or
-  LoopServe prefill with reuse): the turn-tagged tree core (``tree_core``), whose nodes
-  carry turn tags and payloads. LoopServe's lines kept per turn are a payload of the
+* ``TaggedRadixCache`` (``SpecConfig.tagged_cache``: ``--spec-cache-eviction turn``,
+  LoopServe prefill with reuse, or ``--spec-krul``): the turn-tagged tree core
+  (``tree_core``), whose nodes carry turn tags and payloads (Krul's compressed-node
+  records: ``krul``). LoopServe's lines kept per turn are a payload of the
   node where the turn's extend ends; matches and checkpoints hand the deepest ones on a
   request's path to the attention path as seeds (``sgl_spec.requests.HUB``).
 
@@ -134,6 +135,11 @@ class TaggedRadixCache(SpecRadixCache):
         params.sgl_spec_turns = (fmt, cfg.cache.eviction)
         self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse
         super().__init__(params, fmt, cfg)
+        self.krul = None
+        if cfg.krul.enable:
+            from .krul import Compressor
+
+            self.krul = self.tree_core.krul = Compressor(self, cfg.krul)
 
     def insert(self, params):
         result = UnifiedRadixCache.insert(self, params)
@@ -168,6 +174,18 @@ class TaggedRadixCache(SpecRadixCache):
                            cache_salt=req.cache_salt)
             if self.tree_core.attach(key, lines.end, LINES, lines.layers):
                 HUB.set_seeds(req.rid, lines)  # the next chunk of this request continues it
+
+    def load_back(self, node_id, mem_quota=None, req=None) -> bool:
+        # Krul: a compressed node that fails its checksum is never loaded (recomputed).
+        if self.krul is not None and not self.krul.verify_path(self.tree_core.node_by_id(node_id)):
+            return False
+        return super().load_back(node_id, mem_quota, req)
+
+    def summary(self) -> dict:
+        out = super().summary()
+        if self.krul is not None:
+            out["krul"] = self.krul.totals()
+        return out
 
     def _dead(self) -> dict[int, int] | None:
         core = self.tree_core

@@ -86,6 +86,7 @@ class SpecTreeCore(UnifiedTreeCore):
             )
         self.fmt = fmt
         self.turn_eviction = eviction == "turn"
+        self.krul = None  # krul.Compressor, set by the cache with --spec-krul
         self.freed_by_rule = {r: 0 for r in RULES}
         self._cutting = False
         super().__init__(params, components)
@@ -117,11 +118,15 @@ class SpecTreeCore(UnifiedTreeCore):
         data.close_off = off if off is not None and off <= split_len else None
         child.spec.close_off = None if off is None else max(0, off - split_len)
         payloads = child.spec.payloads
+        krul = payloads and payloads.get("krul")  # a whole-node record, made again per part
         if payloads:
-            upper = {name: p for name, p in payloads.items() if p[0] <= split_len}
+            upper = {name: p for name, p in payloads.items()
+                     if p[0] <= split_len and name != "krul"}
             lower = {name: (off - split_len, v) for name, (off, v) in payloads.items()
-                     if off > split_len}
+                     if off > split_len and name != "krul"}
             data.payloads, child.spec.payloads = upper or None, lower or None
+        if krul and self.krul is not None:
+            self.krul.on_split(new_node, child, krul[1])
         child.spec.soft = self._cutting
         if not self._cutting:
             # Stock split: the lower part is a new node in stock too, with a fresh
@@ -307,6 +312,11 @@ class SpecTreeCore(UnifiedTreeCore):
         return matched, node_id, pinned
 
     # ---- eviction ---------------------------------------------------------------
+    def _demote(self, node, tracker, device_frees, host_frees, cache_actions):
+        super()._demote(node, tracker, device_frees, host_frees, cache_actions)
+        if self.krul is not None:
+            self.krul.on_demote(node)
+
     def evict_device_start(self, component_type, request_cnt):
         if self.turn_eviction and component_type == BASE_COMPONENT_TYPE:
             self.eviction_strategy.prepare()

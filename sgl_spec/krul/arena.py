@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .merge import MergeParams, merge, pair_retained
+from .merge import MergeParams, merge, pair_retained, restore
 from .select import Strategy
 
 UNSTORED = -1
@@ -37,6 +37,14 @@ class Compressed:
     rows_freed: int
     tokens_merged: int      # (token, pair)s whose direction is shared
     tokens_retained: int    # (token, pair)s kept unmerged as too distinct
+    pairs_skipped: int = 0  # pairs left exact: merging them erred over params.max_error
+
+
+def _rel_error(m, xi: torch.Tensor, xj: torch.Tensor) -> float:
+    """Relative L2 error of both layers' reconstruction from a merge."""
+    oi, oj = restore(m)
+    num = (oi.float() - xi.float()).norm() + (oj.float() - xj.float()).norm()
+    return float(num / (xi.float().norm() + xj.float().norm()).clamp(min=1e-12))
 
 
 class _Stack:
@@ -95,6 +103,21 @@ class Arena:
     def row_bytes(self) -> int:
         """One token's K and V at one layer."""
         return 2 * self.H * self.D * self.k.element_size()
+
+    @classmethod
+    def rows_for_budget(cls, budget: int, num_slots: int, num_layers: int, num_heads: int,
+                        head_dim: int, itemsize: int) -> int:
+        """The most rows whose arena (with ``num_slots`` slots) fits in ``budget`` bytes."""
+        fixed = cls.bytes_for(num_slots, num_layers, 0, num_heads, head_dim, itemsize, 0)
+        per_row = cls.bytes_for(0, 0, 1, num_heads, head_dim, itemsize, 1)
+        return max(0, (budget - fixed) // per_row)
+
+    def clear(self) -> None:
+        """Free everything (sglang's cache reset)."""
+        S, R, M = self.map.shape[1], self.k.shape[0], self.mag.shape[0]
+        self.map.fill_(_FREE)
+        self.mag_of.fill_(-1)
+        self.slots, self.rows, self.mags = _Stack(S), _Stack(R), _Stack(M)
 
     def available(self) -> int:
         """Tokens that can still be allocated at full size."""
@@ -159,8 +182,10 @@ class Arena:
 
         Layer l drops the rows of its first ``unstored[l]`` slots (non-increasing, the
         restore pyramid); each pair (i, j) merges the slots both layers still store,
-        except the ``params.retain`` most distinct. Freed rows return to the arena at
-        once: the full copy is never kept beside the compressed one."""
+        except the ``params.retain`` most distinct; a pair whose merge would err by
+        more than ``params.max_error`` (relative L2, K or V) is left exact. Freed rows
+        return to the arena at once: the full copy is never kept beside the compressed
+        one."""
         slots = slots.cpu().long()
         n = slots.numel()
         if strategy.num_layers != self.L or len(unstored) != self.L:
@@ -171,7 +196,7 @@ class Arena:
         m = self.map[:, slots]
         if (m < 0).any():
             raise RuntimeError("compress needs slots that own a row at every layer")
-        freed = merged = retained = 0
+        freed = merged = retained = skipped = 0
         for layer, u in enumerate(unstored):
             u = min(u, n)
             if u:
@@ -188,13 +213,18 @@ class Arena:
             go = ~keep
             if not go.any():
                 continue
-            mags = self.mags.pop(2 * int(go.sum()))
+            ri, rj, sg = ri[go], rj[go], s[go]
+            none = torch.zeros(len(ri), dtype=torch.bool)
+            km = merge(self.k[ri], self.k[rj], params, none)
+            vm = merge(self.v[ri], self.v[rj], params, none)
+            err = max(_rel_error(km, self.k[ri], self.k[rj]), _rel_error(vm, self.v[ri], self.v[rj]))
+            if err > params.max_error:   # the pair's KV are not alike: it stays exact
+                skipped += 1
+                continue
+            mags = self.mags.pop(2 * len(ri))
             if mags is None:
                 raise RuntimeError("arena out of magnitude entries")
             mi, mj = mags.view(2, -1)
-            ri, rj, sg = ri[go], rj[go], s[go]
-            km = merge(self.k[ri], self.k[rj], params, torch.zeros(len(ri), dtype=torch.bool))
-            vm = merge(self.v[ri], self.v[rj], params, torch.zeros(len(ri), dtype=torch.bool))
             self.k[ri], self.v[ri] = km.direction, vm.direction
             self.mag[mi, 0], self.mag[mi, 1] = km.mag_i, vm.mag_i
             self.mag[mj, 0], self.mag[mj, 1] = km.mag_j, vm.mag_j
@@ -204,7 +234,7 @@ class Arena:
             freed += len(rj)
             merged += len(ri)
             retained += int(keep.sum())
-        return Compressed(freed, merged, retained)
+        return Compressed(freed, merged, retained, skipped)
 
     def stored_bytes(self, slots: torch.Tensor) -> int:
         """Bytes the slots hold: own rows, each shared direction once, magnitudes."""

@@ -23,12 +23,15 @@ _EPS = 1e-6
 class MergeParams:
     t: float = 0.6          # SLERP weight of the deeper layer (MiniCache's default)
     retain: float = 0.05    # share of tokens kept unmerged
+    max_error: float = 1.0  # a pair erring more than this (relative L2) is not merged
 
     def __post_init__(self):
         if not 0.0 <= self.t <= 1.0:
             raise ValueError(f"t must be in [0, 1], got {self.t}")
         if not 0.0 <= self.retain <= 1.0:
             raise ValueError(f"retain must be in [0, 1], got {self.retain}")
+        if not self.max_error > 0:
+            raise ValueError(f"max_error must be > 0, got {self.max_error}")
 
 
 class Merged(NamedTuple):

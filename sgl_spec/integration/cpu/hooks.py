@@ -14,6 +14,8 @@ torchvision is imported:
 * after ``mem_cache.kv_cache_configurator`` executes (every host): with a retrieval
   head (``--spec-mode specontext``) its MHA pool gets the head's layer
   (:mod:`sgl_spec.integration.head`).
+* after ``mem_cache.hybrid_cache.hybrid_pool_assembler`` executes (every host): with
+  ``--spec-krul`` the MHA host pool is Krul's (:mod:`sgl_spec.integration.krul`).
 
 Hooks run only when the named module is imported, so processes that never touch
 sglang pay nothing but this finder's dictionary look-ups.
@@ -51,6 +53,8 @@ AFTER: dict[str, _Hook] = {
         _lazy("sgl_spec.integration.endpoint:patch_internal_state"),
     "sglang.srt.mem_cache.kv_cache_configurator":
         _lazy("sgl_spec.integration.head:patch_kv_pool"),
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler":
+        _lazy("sgl_spec.integration.krul:patch_host_pool"),
 }
 # Hooks active only on hosts without CUDA.
 _HICACHE = "sgl_spec.integration.cpu.hicache"

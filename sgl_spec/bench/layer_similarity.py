@@ -1,0 +1,95 @@
+"""Can two layers share their KV? Cross-layer cosine of K and V, and the MiniCache
+merge's error, for Krul's pairs and the best pairs of a model (issue 17).
+
+    python -m sgl_spec.bench.layer_similarity --out DIR [--model-path DIR] [--tokens 1500]
+
+Offline (no server): one chat prompt of ``--tokens`` tokens through the model in
+transformers (``qk_capture``: K after RoPE, V, bf16 as the served pool); for every
+layer pair the mean cosine over tokens and KV heads of K and of V, and for the pairs
+Algorithm 1 takes (the model's calibration statistics at the default gamma and
+ratio) plus the adjacent pairs of the deep half, the relative L2 error of
+``krul.merge`` (retain 0.05). Writes ``results.json`` and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from sgl_spec.bench import cli
+
+logger = logging.getLogger(__name__)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean cosine of matching rows of [T, H, D] tensors."""
+    a, b = a.float(), b.float()
+    return float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp(min=1e-6)).mean())
+
+
+def merge_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    from sgl_spec.krul.merge import MergeParams, merge, restore
+
+    oi, oj = restore(merge(a, b, MergeParams(retain=0.05)))
+    num = (oi.float() - a.float()).norm() + (oj.float() - b.float()).norm()
+    return float(num / (a.float().norm() + b.float().norm()))
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Cross-layer KV similarity ({res['meta']['model']}, {res['tokens']} tokens)", "",
+             "| pair | why | K cosine | V cosine | merge error K | merge error V |",
+             "|---|---|---|---|---|---|"]
+    for p in res["pairs"]:
+        lines.append(f"| ({p['i']},{p['j']}) | {p['why']} | {p['k_cos']:+.3f} | {p['v_cos']:+.3f} "
+                     f"| {p['k_err']:.3f} | {p['v_err']:.3f} |")
+    best = res["best_k_cos"]
+    lines += ["", f"Highest K cosine of all {res['all_pairs']} pairs: "
+              + ", ".join(f"({b['i']},{b['j']}) {b['k_cos']:+.3f}" for b in best)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli.setup_logging()
+    ap = cli.parser("python -m sgl_spec.bench.layer_similarity", __doc__)
+    cli.add_common(ap, threads="torch threads (0: leave)")
+    ap.add_argument("--tokens", type=int, default=1500, help="prompt tokens (default 1500)")
+    ap.add_argument("--seed", type=int, default=0, help="corpus seed")
+    args = ap.parse_args(argv)
+    if args.tokens < 256:
+        ap.error(f"--tokens {args.tokens} is too small; valid: >= 256")
+    cli.set_threads(args.threads)
+    from sgl_spec.bench.qk_capture import capture, chat_prompt, load_model
+    from sgl_spec.config import KrulConfig
+    from sgl_spec.krul import calibrate
+    from sgl_spec.krul.select import select_pairs
+
+    model_path = cli.model_path(ap, args.model_path)
+    model, tokenizer = load_model(model_path)
+    prompt = chat_prompt(tokenizer, args.tokens, args.seed)
+    meta, watch = cli.start_meta(model_path, threads=torch.get_num_threads())
+    layers = capture(model, prompt.ids)
+    L = len(layers)
+    sim = calibrate.load(calibrate.prepare(model_path))
+    kc = KrulConfig()
+    chosen = select_pairs(sim.ir_share(), sim.distances(), gamma=kc.gamma, ratio=kc.ratio)
+    todo = [(i, j, "Algorithm 1") for i, j in chosen.pairs]
+    todo += [(i, i + 1, "adjacent") for i in range(L // 2, L - 1, 3)]
+    pairs = [{"i": i, "j": j, "why": why,
+              "k_cos": cosine(layers[i].k, layers[j].k), "v_cos": cosine(layers[i].v, layers[j].v),
+              "k_err": merge_error(layers[i].k, layers[j].k),
+              "v_err": merge_error(layers[i].v, layers[j].v)} for i, j, why in todo]
+    allk = sorted(((cosine(layers[i].k, layers[j].k), i, j)
+                   for i, j in itertools.combinations(range(L), 2)), reverse=True)
+    res = {"meta": meta, "tokens": len(prompt.ids), "pairs": pairs, "all_pairs": len(allk),
+           "best_k_cos": [{"i": i, "j": j, "k_cos": c} for c, i, j in allk[:3]]}
+    cli.finish_meta(meta, watch)
+    text = markdown(res)
+    cli.write_results(args.out, res, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,281 @@
+"""Krul inside sglang (issue 17): the host pool over Krul's arena, and compression when
+HiCache demotes a conversation.
+
+* ``KrulHostPool`` (``patch_host_pool``, an import hook on sglang's
+  ``hybrid_pool_assembler``, only with ``--spec-krul``): sglang's MHA host pool whose
+  token slots are logical, backed by ``sgl_spec.krul.arena.Arena`` rows shared by every
+  layer, in the same byte budget as stock's pool. Backup and load go through the
+  arena; a merged row is loaded as direction x the layer's magnitude.
+* ``Compressor``: when the tree demotes a node (its device copy is dropped while the
+  host copy stays; write-through already wrote that copy), the node's host slots are
+  compressed in place with the strategy, and a ``KrulMeta`` payload (bytes and an
+  xxh3 checksum) goes on the node. A load-back first verifies the checksums of the
+  nodes it would load: a mismatch refuses the load, so sglang recomputes; corrupt KV
+  is never served.
+
+Step 2 of docs/design/krul.md: every stored row is loaded (nothing is left for a
+recompute pre-pass yet), and the strategy is the model's ("Krul (Fix)",
+``sgl_spec.krul.calibrate``) until the per-conversation estimator lands. L3 storage
+backends are refused until pages can carry compressed rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.mem_cache.pool_host.base import synchronized
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_TYPE
+
+from sgl_spec import envs
+from sgl_spec.config import KrulConfig, current
+from sgl_spec.krul.arena import Arena, Compressed
+from sgl_spec.krul.merge import MergeParams
+from sgl_spec.krul.select import Strategy
+
+logger = logging.getLogger(__name__)
+
+KRUL = "krul"  # the payload name on a compressed node
+
+
+class KrulHostPool(MHATokenToKVPoolHost):
+    """MHATokenToKVPoolHost with logical slots over a shared row arena (layer_first
+    layout, direct I/O: the CPU pair). ``available_size`` is in full-size tokens."""
+
+    slot_factor = 2  # logical slots per full-size token of budget: up to 0.5x stored
+
+    def init_kv_buffer(self):
+        if self.layout != "layer_first":
+            raise ValueError(f"--spec-krul needs --hicache-mem-layout layer_first, got "
+                             f"{self.layout!r}")
+        budget = self.size * self.size_per_token
+        slots = self.slot_factor * self.size
+        rows = Arena.rows_for_budget(budget, slots, self.layer_num, self.head_num,
+                                     self.head_dim, self.dtype.itemsize)
+        self.arena = Arena(slots, self.layer_num, rows, self.head_num, self.head_dim,
+                           self.dtype)
+        self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        logger.info("sgl_spec krul: host arena of %d rows (%d full-size tokens) and %d "
+                    "slots in %.2f GB", rows, rows // self.layer_num, slots, budget / 1e9)
+        # Stock's per-layer transfer views need a buffer; the arena holds the data.
+        return torch.zeros(2, self.layer_num, 1, self.head_num, self.head_dim,
+                           dtype=self.dtype)
+
+    @synchronized
+    def clear(self):
+        super().clear()
+        if hasattr(self, "arena"):
+            self.arena.clear()
+
+    def available_size(self):
+        return self.arena.available()
+
+    @synchronized
+    def alloc(self, need_size: int):
+        return self.arena.alloc(need_size)
+
+    @synchronized
+    def free(self, indices: torch.Tensor) -> int:
+        return self.arena.free(indices)
+
+    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices,
+                                     io_backend):
+        dev = device_indices.to(self.device_k_buffers[0].device)
+        with self.lock:
+            for layer in range(self.layer_num):
+                self.arena.write(layer, host_indices, self.device_k_buffers[layer][dev],
+                                 self.device_v_buffers[layer][dev])
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id,
+                                 io_backend, *, is_draft: bool = False):
+        if not is_draft and not 0 <= layer_id < self.target_layer_num:
+            return
+        with self.lock:
+            k, v, stored = self.arena.read(layer_id, host_indices)
+        if not bool(stored.all()):
+            raise RuntimeError("krul: a load reached unstored rows (no recompute pre-pass yet)")
+        dev = device_indices.to(self.device_k_buffers[layer_id].device)
+        self.device_k_buffers[layer_id][dev] = k
+        self.device_v_buffers[layer_id][dev] = v
+
+    @synchronized
+    def compress(self, slots: torch.Tensor, strategy: Strategy, params: MergeParams
+                 ) -> Compressed:
+        return self.arena.compress(slots, strategy, [0] * self.layer_num, params)
+
+    def _no_pages(self, *args, **kwargs):
+        raise NotImplementedError("--spec-krul keeps compressed rows that sglang's storage "
+                                  "pages cannot carry yet; valid: no --hicache-storage-backend")
+
+    get_data_page = get_dummy_flat_data_page = set_from_flat_data_page = _no_pages
+    get_page_buffer_meta = get_split_heads_page_buffer_meta = _no_pages
+
+
+def patch_host_pool(module) -> None:
+    """After ``hybrid_pool_assembler`` executes: with ``--spec-krul`` its MHA host pool
+    class is ``KrulHostPool`` (stock's otherwise)."""
+    cfg = current()
+    if cfg.disable or not cfg.krul.enable or getattr(module, "_sgl_spec_krul", False):
+        return
+    stock = module.get_mha_host_pool_cls
+
+    def get_mha_host_pool_cls(info):
+        cls = stock(info)
+        if cls is not MHATokenToKVPoolHost:
+            raise ValueError(f"--spec-krul supports sglang's MHA host pool, not "
+                             f"{cls.__name__} (MXFP8 or asymmetric K/V); valid: drop "
+                             "--spec-krul")
+        return KrulHostPool
+
+    module.get_mha_host_pool_cls = get_mha_host_pool_cls
+    module._sgl_spec_krul = True
+    logger.info("sgl_spec: Krul host pool")
+
+
+@dataclass(frozen=True)
+class KrulMeta:
+    """A compressed node's record: its bytes in the host tier and their checksum."""
+
+    tokens: int
+    stored_bytes: int
+    full_bytes: int
+    checksum: int
+    merged: int      # (token, pair)s sharing a direction
+    retained: int    # (token, pair)s kept unmerged
+
+
+def model_layers(pool_layers: int) -> int:
+    """The pool's layers that are the model's (SpeContext adds its head's after them)."""
+    from .head import HEAD_LAYERS
+
+    return pool_layers - (HEAD_LAYERS if current().decode.retrieval_head else 0)
+
+
+def strategy_for(cfg: KrulConfig, num_model_layers: int, pool_layers: int) -> Strategy:
+    """The model's pairs (from its calibration statistics) over the pool's layers; pool
+    layers past the model's (SpeContext's head layer) are never paired."""
+    from sgl_spec.krul import calibrate
+    from sgl_spec.krul.select import select_pairs
+
+    sim = calibrate.load(cfg.stats_path)
+    if sim.num_layers != num_model_layers:
+        raise ValueError(f"Krul statistics {cfg.stats_path!r} are for {sim.num_layers} "
+                         f"layers, the model has {num_model_layers}")
+    s = select_pairs(sim.ir_share(), sim.distances(), gamma=cfg.gamma, ratio=cfg.ratio)
+    return Strategy(pool_layers, s.pairs, s.input_sensitive)
+
+
+class Compressor:
+    """Compresses demoted nodes and checks them before a load. Driven by the
+    scheduler thread (the tree's demotions and the cache's load-backs)."""
+
+    def __init__(self, cache, cfg: KrulConfig):
+        self.cache, self.cfg = cache, cfg
+        self.params = MergeParams(retain=cfg.retain, max_error=cfg.max_error)
+        self._strategy: Strategy | None = None
+        self.refused_loads = 0
+        self.pairs_skipped = 0  # pairs left exact (their merge erred over max_error)
+        self.corrupt = envs.krul_corrupt()
+
+    def pool(self) -> KrulHostPool | None:
+        ctl = getattr(self.cache, "cache_controller", None)
+        pool = getattr(ctl, "mem_pool_host", None)
+        anchor = getattr(pool, "anchor_entry", None)  # a pool group: the KV pool anchors it
+        pool = anchor.host_pool if anchor is not None else pool
+        return pool if isinstance(pool, KrulHostPool) else None
+
+    def strategy(self, pool: KrulHostPool) -> Strategy:
+        if self._strategy is None:
+            self._strategy = strategy_for(self.cfg, model_layers(pool.layer_num),
+                                          pool.layer_num)
+            logger.info("sgl_spec krul: pairs %s (input-sensitive layers %s)",
+                        self._strategy.pairs, self._strategy.input_sensitive)
+        return self._strategy
+
+    def on_demote(self, node) -> None:
+        """The tree dropped ``node``'s device copy; its host copy is compressed."""
+        pool = self.pool()
+        host = node.component_data[BASE_COMPONENT_TYPE].host_value
+        if pool is None or host is None or KRUL in (node.spec.payloads or {}):
+            return
+        c = pool.compress(host, self.strategy(pool), self.params)
+        self.pairs_skipped += c.pairs_skipped
+        self._record(node, pool, c.tokens_merged, c.tokens_retained)
+        if self.corrupt:  # test-only fault injection (SGLSPEC_KRUL_CORRUPT)
+            with pool.lock:
+                m = pool.arena.map[:, int(host[0])]
+                row = int(m[m >= 0][0]) if bool((m >= 0).any()) else int(-2 - m[0])
+                pool.arena.k[row].view(torch.uint8).view(-1)[0] ^= 1
+
+    def _record(self, node, pool: KrulHostPool, merged: int, retained: int) -> None:
+        host = node.component_data[BASE_COMPONENT_TYPE].host_value
+        with pool.lock:
+            meta = KrulMeta(len(host), pool.arena.stored_bytes(host),
+                            pool.arena.full_bytes(len(host)), pool.arena.checksum(host),
+                            merged, retained)
+        node.spec.payloads = {**(node.spec.payloads or {}), KRUL: (len(node.key), meta)}
+
+    def on_split(self, upper, lower, meta: KrulMeta) -> None:
+        """A compressed node was split: both parts get their own record, if the whole
+        still matched its checksum (else neither does, and a load refuses them)."""
+        pool = self.pool()
+        if pool is None:
+            return
+        ok = self._matches(pool, torch.cat([upper.component_data[BASE_COMPONENT_TYPE].host_value,
+                                            lower.component_data[BASE_COMPONENT_TYPE].host_value]),
+                           meta)
+        for part in (upper, lower):
+            if ok:
+                self._record(part, pool, 0, 0)
+            else:
+                bad = KrulMeta(len(part.key), 0, 0, -1, 0, 0)
+                part.spec.payloads = {**(part.spec.payloads or {}), KRUL: (len(part.key), bad)}
+
+    @staticmethod
+    def _matches(pool: KrulHostPool, host: torch.Tensor, meta: KrulMeta) -> bool:
+        with pool.lock:
+            return meta.checksum >= 0 and pool.arena.checksum(host) == meta.checksum
+
+    def verify_path(self, node) -> bool:
+        """Whether every compressed node on the path to ``node`` that only the host
+        holds still matches its checksum."""
+        pool = self.pool()
+        if pool is None:
+            return True
+        root = self.cache.tree_core.root_node
+        while node is not None and node is not root:
+            cd = node.component_data[BASE_COMPONENT_TYPE]
+            hit = (node.spec.payloads or {}).get(KRUL)
+            if cd.value is None and cd.host_value is not None and hit is not None:
+                if not self._matches(pool, cd.host_value, hit[1]):
+                    logger.warning("sgl_spec krul: node %s failed its checksum; its "
+                                   "tokens are recomputed", node.id)
+                    self.refused_loads += 1
+                    return False
+            node = node.parent
+        return True
+
+    def totals(self) -> dict:
+        """Compressed nodes in the tree and their bytes (for ``GET /sgl_spec/cache``)."""
+        out = {"nodes": 0, "tokens": 0, "stored_bytes": 0, "full_bytes": 0,
+               "refused_loads": self.refused_loads, "pairs_skipped": self.pairs_skipped}
+        core = self.cache.tree_core
+        stack = [core.root_node]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            hit = (getattr(node, "spec", None) and node.spec.payloads or {}).get(KRUL)
+            if hit is not None and node.component_data[BASE_COMPONENT_TYPE].host_value is not None:
+                meta = hit[1]
+                out["nodes"] += 1
+                out["tokens"] += meta.tokens
+                out["stored_bytes"] += meta.stored_bytes
+                out["full_bytes"] += meta.full_bytes
+        pool = self.pool()
+        if pool is not None:
+            out["host_available_tokens"] = pool.available_size()
+        return out

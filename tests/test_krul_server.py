@@ -1,0 +1,107 @@
+"""Krul on a real server: a demoted conversation is compressed in the host tier and
+restored from it; a corrupted one is recomputed, never served."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from sgl_spec import boot
+from sgl_spec.bench.server import SPEC, ServerProcess
+
+pytestmark = [pytest.mark.server, pytest.mark.slow,
+              pytest.mark.skipif(boot.cuda_host(), reason="Krul's host pool: CPU I/O only")]
+
+PROMPT_TOKENS = 1500
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def stats(model_path, tmp_path_factory):
+    from sgl_spec.krul.calibrate import CalibrationConfig, prepare
+
+    return prepare(model_path, CalibrationConfig.quick(),
+                   out=str(tmp_path_factory.mktemp("krul") / "stats.json"))
+
+
+def _args(model_path: str, stats: str) -> list[str]:
+    return [
+        "--model-path", model_path,
+        # Room for one 1500-token request: the next one demotes it to the host.
+        "--max-total-tokens", "2048",
+        "--enable-hierarchical-cache", "--hicache-ratio", "2",
+        "--enable-cache-report", "--sleep-on-idle",
+        "--spec-krul", "--spec-krul-stats", stats,
+    ]  # fmt: skip
+
+
+def _prompts(model_path: str) -> tuple[str, str]:
+    from transformers import AutoTokenizer
+
+    from sgl_spec import corpus
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    out = []
+    for seed in (1, 2):
+        body = " ".join(p.text for p in corpus.passages(tok, PROMPT_TOKENS, seed=seed))
+        body = tok.decode(tok.encode(body)[:PROMPT_TOKENS])
+        out.append(f"<|im_start|>user\n{body}\n\nSummarize the text above in one sentence."
+                   "<|im_end|>\n<|im_start|>assistant\n")
+    return out[0], out[1]
+
+
+def _generate(url: str, text: str) -> tuple[list[int], dict]:
+    body = {"text": text, "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
+    resp = requests.post(f"{url}/generate", json=body, timeout=600)
+    resp.raise_for_status()
+    out = resp.json()
+    meta = out["meta_info"]
+    return [t[1] for t in meta["output_token_logprobs"]], meta
+
+
+def _krul(url: str) -> dict:
+    resp = requests.get(f"{url}/sgl_spec/cache", timeout=60)
+    resp.raise_for_status()
+    return resp.json()["krul"]
+
+
+def _demote_and_restore(server, model_path):
+    first, other = _prompts(model_path)
+    ids, meta = _generate(server.url, first)
+    assert meta["cached_tokens"] < 16, meta
+    _generate(server.url, other)            # 2048 slots cannot hold both: first is demoted
+    totals = _krul(server.url)
+    again_ids, again_meta = _generate(server.url, first)
+    return ids, again_ids, again_meta, totals, _krul(server.url)
+
+
+def test_demoted_conversation_is_compressed_and_restored(model_path, stats, tmp_path):
+    # --spec-krul-max-error 1: merge every pair, however unlike (this model's are)
+    args = _args(model_path, stats) + ["--spec-krul-max-error", "1"]
+    with ServerProcess(SPEC, args, log_path=str(tmp_path / "server.log")) as server:
+        ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
+    # The demoted prompt's nodes hold 8 merged pairs of 30 layers: ~0.74x of a full copy.
+    assert totals["nodes"] >= 1 and totals["tokens"] >= PROMPT_TOKENS - 32   # less the shared head
+    ratio = totals["stored_bytes"] / totals["full_bytes"]
+    assert 0.6 < ratio < 0.8, totals
+    host = (meta.get("cached_tokens_details") or {}).get("host", 0)
+    assert host > PROMPT_TOKENS // 2, meta           # restored from the compressed tier
+    assert after["refused_loads"] == 0
+    agree = next((i for i, (a, b) in enumerate(zip(ids, again_ids)) if a != b), len(ids))
+    print(f"stored {ratio:.3f}x of a full copy; restored {host} tokens from host; greedy "
+          f"agreement with the never-compressed answer: first {agree} of {len(ids)} tokens")
+
+
+def test_unlike_pairs_stay_exact_and_corruption_is_recomputed(model_path, stats, tmp_path):
+    """Default flags: this model's pairs merge with ~0.7 relative error, over
+    --spec-krul-max-error, so they stay exact; and a stored byte flipped after the
+    checksum (SGLSPEC_KRUL_CORRUPT) makes the load refused and the tokens recomputed."""
+    with ServerProcess(SPEC, _args(model_path, stats), env={"SGLSPEC_KRUL_CORRUPT": "1"},
+                       log_path=str(tmp_path / "server.log")) as server:
+        ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
+    assert totals["pairs_skipped"] >= totals["nodes"] >= 1
+    assert totals["stored_bytes"] == totals["full_bytes"]
+    assert after["refused_loads"] >= 1
+    assert (meta.get("cached_tokens_details") or {}).get("host", 0) == 0, meta
+    assert again_ids == ids                  # recomputed exactly, not loaded
