@@ -8,7 +8,9 @@ transformers (``qk_capture``: K after RoPE, V, bf16 as the served pool); for eve
 layer pair the mean cosine over tokens and KV heads of K and of V, and for the pairs
 Algorithm 1 takes (the model's calibration statistics at the default gamma and
 ratio) plus the adjacent pairs of the deep half, the relative L2 error of
-``krul.merge`` (retain 0.05). Writes ``results.json`` and ``results.md``.
+``krul.merge`` (retain 0.05); and per layer, the relative L2 error of the int8 codec
+(``krul.quant``), the alternative where layers share nothing. Writes ``results.json``
+and ``results.md``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def merge_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(num / (a.float().norm() + b.float().norm()))
 
 
+def int8_error(x: torch.Tensor) -> float:
+    from sgl_spec.krul.quant import dequantize, quantize
+
+    return float((dequantize(quantize(x), torch.float32) - x.float()).norm() / x.float().norm())
+
+
 def markdown(res: dict) -> str:
     lines = [f"# Cross-layer KV similarity ({res['meta']['model']}, {res['tokens']} tokens)", "",
              "| pair | why | K cosine | V cosine | merge error K | merge error V |",
@@ -47,6 +55,10 @@ def markdown(res: dict) -> str:
     best = res["best_k_cos"]
     lines += ["", f"Highest K cosine of all {res['all_pairs']} pairs: "
               + ", ".join(f"({b['i']},{b['j']}) {b['k_cos']:+.3f}" for b in best)]
+    q = res["int8"]
+    lines += ["", "int8 rows (per token and head), relative L2 error over the layers: "
+              f"K mean {q['k_mean']:.4f} max {q['k_max']:.4f}, V mean {q['v_mean']:.4f} "
+              f"max {q['v_max']:.4f}; bytes {q['bytes_ratio']:.3f}x of bf16"]
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
               "v_err": merge_error(layers[i].v, layers[j].v)} for i, j, why in todo]
     allk = sorted(((cosine(layers[i].k, layers[j].k), i, j)
                    for i, j in itertools.combinations(range(L), 2)), reverse=True)
+    ke = [int8_error(lay.k) for lay in layers]
+    ve = [int8_error(lay.v) for lay in layers]
+    d = layers[0].k.shape[-1]
+    int8 = {"k": ke, "v": ve, "k_mean": sum(ke) / L, "k_max": max(ke), "v_mean": sum(ve) / L,
+            "v_max": max(ve), "bytes_ratio": (d + 2) / (2 * d)}
     res = {"meta": meta, "tokens": len(prompt.ids), "pairs": pairs, "all_pairs": len(allk),
+           "int8": int8,
            "best_k_cos": [{"i": i, "j": j, "k_cos": c} for c, i, j in allk[:3]]}
     cli.finish_meta(meta, watch)
     text = markdown(res)
