@@ -32,11 +32,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def merge_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    from sgl_spec.krul.merge import MergeParams, merge, restore
+    from sgl_spec.krul.merge import MergeParams, merge, reconstruction_error
 
-    oi, oj = restore(merge(a, b, MergeParams(retain=0.05)))
-    num = (oi.float() - a.float()).norm() + (oj.float() - b.float()).norm()
-    return float(num / (a.float().norm() + b.float().norm()))
+    return reconstruction_error(merge(a, b, MergeParams(retain=0.05)), a, b)
 
 
 def int8_error(x: torch.Tensor) -> float:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from sgl_spec.config import KrulConfig
@@ -33,13 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         kc = KrulConfig(gamma=args.spec_krul_gamma, ratio=args.spec_krul_ratio)
     except ValueError as exc:
         ap.error(str(exc))
-    model = args.model_path
-    if model is None:
-        from sgl_spec.prepare_model import prepare as prepare_model
+    from sgl_spec.bench.cli import model_path
 
-        model = prepare_model()
-    if not os.path.isdir(model):
-        ap.error(f"--model-path {model!r} is not a directory")
+    model = model_path(ap, args.model_path)
 
     from sgl_spec.krul import calibrate
     from sgl_spec.krul.select import select_pairs

@@ -137,9 +137,10 @@ class TaggedRadixCache(SpecRadixCache):
         super().__init__(params, fmt, cfg)
         self.krul = None
         if cfg.krul.enable:
-            from .krul import Compressor
+            from .krul import KRUL, Compressor
 
             self.krul = self.tree_core.krul = Compressor(self, cfg.krul)
+            self.tree_core.whole_node_payloads[KRUL] = self.krul.on_split
 
     def insert(self, params):
         result = UnifiedRadixCache.insert(self, params)

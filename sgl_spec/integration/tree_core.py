@@ -87,6 +87,9 @@ class SpecTreeCore(UnifiedTreeCore):
         self.fmt = fmt
         self.turn_eviction = eviction == "turn"
         self.krul = None  # krul.Compressor, set by the cache with --spec-krul
+        # Payloads recorded per whole node (not per token offset): a split drops them from
+        # both parts and calls name -> fn(upper, lower, value) to make them again.
+        self.whole_node_payloads: dict[str, object] = {}
         self.freed_by_rule = {r: 0 for r in RULES}
         self._cutting = False
         super().__init__(params, components)
@@ -118,15 +121,16 @@ class SpecTreeCore(UnifiedTreeCore):
         data.close_off = off if off is not None and off <= split_len else None
         child.spec.close_off = None if off is None else max(0, off - split_len)
         payloads = child.spec.payloads
-        krul = payloads and payloads.get("krul")  # a whole-node record, made again per part
         if payloads:
+            whole = self.whole_node_payloads
             upper = {name: p for name, p in payloads.items()
-                     if p[0] <= split_len and name != "krul"}
+                     if p[0] <= split_len and name not in whole}
             lower = {name: (off - split_len, v) for name, (off, v) in payloads.items()
-                     if off > split_len and name != "krul"}
+                     if off > split_len and name not in whole}
             data.payloads, child.spec.payloads = upper or None, lower or None
-        if krul and self.krul is not None:
-            self.krul.on_split(new_node, child, krul[1])
+            for name, remake in whole.items():
+                if name in payloads:
+                    remake(new_node, child, payloads[name][1])
         child.spec.soft = self._cutting
         if not self._cutting:
             # Stock split: the lower part is a new node in stock too, with a fresh

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from .merge import MergeParams, merge, pair_retained, restore
+from .merge import MergeParams, merge, pair_retained, reconstruction_error
 from .select import Strategy
 
 UNSTORED = -1
@@ -38,13 +38,6 @@ class Compressed:
     tokens_merged: int      # (token, pair)s whose direction is shared
     tokens_retained: int    # (token, pair)s kept unmerged as too distinct
     pairs_skipped: int = 0  # pairs left exact: merging them erred over params.max_error
-
-
-def _rel_error(m, xi: torch.Tensor, xj: torch.Tensor) -> float:
-    """Relative L2 error of both layers' reconstruction from a merge."""
-    oi, oj = restore(m)
-    num = (oi.float() - xi.float()).norm() + (oj.float() - xj.float()).norm()
-    return float(num / (xi.float().norm() + xj.float().norm()).clamp(min=1e-12))
 
 
 class _Stack:
@@ -217,7 +210,8 @@ class Arena:
             none = torch.zeros(len(ri), dtype=torch.bool)
             km = merge(self.k[ri], self.k[rj], params, none)
             vm = merge(self.v[ri], self.v[rj], params, none)
-            err = max(_rel_error(km, self.k[ri], self.k[rj]), _rel_error(vm, self.v[ri], self.v[rj]))
+            err = max(reconstruction_error(km, self.k[ri], self.k[rj]),
+                      reconstruction_error(vm, self.v[ri], self.v[rj]))
             if err > params.max_error:   # the pair's KV are not alike: it stays exact
                 skipped += 1
                 continue

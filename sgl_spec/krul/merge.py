@@ -11,6 +11,7 @@ is kept, which also bounds what retention costs. Reference: ``merge_ref``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -72,16 +73,20 @@ def slerp(u: torch.Tensor, v: torch.Tensor, t: float) -> torch.Tensor:
     return e / e.norm(dim=-1, keepdim=True).clamp(min=_EPS)
 
 
-def retained_tokens(xi: torch.Tensor, xj: torch.Tensor, share: float) -> torch.Tensor:
-    """[n] bool: the ceil(share * n) tokens whose vectors differ most (max angle over
-    heads; ties by position). xi, xj: [n, H, D]."""
-    n = xi.shape[0]
-    k = min(n, int(-(-share * n // 1)))
-    out = torch.zeros(n, dtype=torch.bool, device=xi.device)
+def _most_distinct(score: torch.Tensor, share: float) -> torch.Tensor:
+    """[n] bool: the ceil(share * n) highest scores."""
+    n = score.shape[0]
+    k = min(n, math.ceil(share * n))
+    out = torch.zeros(n, dtype=torch.bool, device=score.device)
     if k:
-        score = angle(xi, xj).amax(dim=-1)                             # [n]
         out[torch.topk(score, k, sorted=False).indices] = True
     return out
+
+
+def retained_tokens(xi: torch.Tensor, xj: torch.Tensor, share: float) -> torch.Tensor:
+    """[n] bool: the ceil(share * n) tokens whose vectors differ most (max angle over
+    heads). xi, xj: [n, H, D]."""
+    return _most_distinct(angle(xi, xj).amax(dim=-1), share)
 
 
 def merge(xi: torch.Tensor, xj: torch.Tensor, params: MergeParams = MergeParams(),
@@ -106,13 +111,7 @@ def pair_retained(ki: torch.Tensor, kj: torch.Tensor, vi: torch.Tensor, vj: torc
                   share: float) -> torch.Tensor:
     """One retained set for K and V of a pair: the union of each kind's most distinct
     tokens would double the cost, so rank tokens by the larger of their K and V angles."""
-    n = ki.shape[0]
-    k = min(n, int(-(-share * n // 1)))
-    out = torch.zeros(n, dtype=torch.bool, device=ki.device)
-    if k:
-        score = torch.maximum(angle(ki, kj).amax(-1), angle(vi, vj).amax(-1))
-        out[torch.topk(score, k, sorted=False).indices] = True
-    return out
+    return _most_distinct(torch.maximum(angle(ki, kj).amax(-1), angle(vi, vj).amax(-1)), share)
 
 
 def restore(m: Merged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,3 +123,10 @@ def restore(m: Merged) -> tuple[torch.Tensor, torch.Tensor]:
     xi[m.retained] = e[m.retained]
     xj[m.retained] = m.kept_j.float()
     return xi.to(m.direction.dtype), xj.to(m.direction.dtype)
+
+
+def reconstruction_error(m: Merged, xi: torch.Tensor, xj: torch.Tensor) -> float:
+    """Relative L2 error of both layers' vectors restored from ``m``."""
+    oi, oj = restore(m)
+    num = (oi.float() - xi.float()).norm() + (oj.float() - xj.float()).norm()
+    return float(num / (xi.float().norm() + xj.float().norm()).clamp(min=1e-12))
