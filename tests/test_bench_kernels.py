@@ -50,6 +50,7 @@ def test_vslash_cli_appends_json_lines(tmp_path, capsys):
     assert (r["n"], r["history"], r["q_heads"], r["kv_heads"], r["head_dim"]) == (64, 32, 4, 2,
                                                                                  16)
     assert r["speedup"] == pytest.approx(r["dense_sdpa_s"] / r["vslash_torch_s"])
+    assert r["device"] == "cpu"
     assert 0 < r["density"] <= 1
     assert "dense SDPA" in capsys.readouterr().out
 

@@ -339,11 +339,12 @@ def test_triton_interpreted_matches_reference(triton_results, case):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_gpu_matches_torch(dtype):
+@pytest.mark.parametrize("kind", TRITON_KINDS)
+def test_triton_gpu_matches_torch(dtype, kind):
     n, hist, hq, hkv, d = 2000, 3000, 9, 3, 64
     dt = DTYPES[dtype]
     q, k, v = (t.cuda() for t in make_qkv(n, hist, hq, hkv, d, dt))
-    lines = make_lines_kind("mixed", hkv, n, hist)
+    lines = make_lines_kind(kind, hkv, n, hist)
     out = vslash_attention(q, k, v, lines, hist, impl="triton")
     ref = vslash_attention(q.float(), k.float(), v.float(), lines, hist, impl="torch")
     assert rel_err(out, ref) <= TOL[dt]

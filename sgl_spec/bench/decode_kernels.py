@@ -1,7 +1,7 @@
 """Micro-benchmark: one decode step's attention, stock torch_native against sgl_spec.
 
     python -m sgl_spec.bench.decode_kernels --out results/decode-kernels \\
-        [--histories 512 7168] [--batches 1 4] [--layers 30] [--threads 2]
+        [--histories 512 7168] [--batches 1 4] [--layers 30] [--threads 2] [--device cuda]
 
 Per (history, batch): one decode step of every request over ``--layers`` layers of the
 default model's shape (9 query heads, 3 KV heads, head_dim 64, bf16 KV in a pool with
@@ -16,7 +16,15 @@ scattered slots, as a server's pool after some churn), through
 
 Reports the median milliseconds of ``--repeats`` after one warm-up, the ratio to
 torch_native, and each path's relative error against float64 attention over the same
-positions. Writes results.json and results.md. Not a test; CPU only.
+positions. Writes results.json and results.md. Not a test.
+
+``--device cuda`` (a lent GPU; sglang need not be installed there) times other paths,
+since stock sglang decodes through FlashInfer there, which this bench does not load:
+
+* ``dense sdpa``: each request's history gathered from the pool, then torch SDPA
+  (``enable_gqa``): a dense baseline of torch's fused kernels, not stock's backend;
+* ``exact triton`` / ``loopserve triton``: the Triton kernel over the dense subsets and
+  over a LoopServe B=``--budget`` selection; ``loopserve torch``: the torch fallback.
 """
 
 from __future__ import annotations
@@ -29,16 +37,21 @@ from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets, sparse_
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 
 PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu")
+CUDA_PATHS = ("dense sdpa", "exact triton", "loopserve triton", "loopserve torch")
 
 
-def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
+def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0,
+           device: str = "cpu"):
+    g = torch.Generator(device).manual_seed(seed)
     pool = batch * history + 64
-    ks = [torch.randn(pool, hkv, d, generator=g).bfloat16() for _ in range(layers)]
-    vs = [torch.randn(pool, hkv, d, generator=g).bfloat16() for _ in range(layers)]
-    perm = torch.randperm(pool, generator=g)[: batch * history].int().view(batch, history)
-    q = torch.randn(batch, hq, d, generator=g).bfloat16()
-    return ks, vs, perm, q
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device).bfloat16()
+
+    ks = [randn(pool, hkv, d) for _ in range(layers)]
+    vs = [randn(pool, hkv, d) for _ in range(layers)]
+    perm = torch.randperm(pool, generator=g, device=device)[: batch * history]
+    return ks, vs, perm.int().view(batch, history), randn(batch, hq, d)
 
 
 def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSubsets:
@@ -47,8 +60,10 @@ def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSub
     recent = n - window
     sel = torch.stack([torch.stack([torch.randperm(recent - sink, generator=g)[:budget].sort()
                                     .values + sink for _ in range(hkv)]) for _ in rows])
-    return DecodeSubsets(r2t, rows, seq, sel, torch.full((len(rows), hkv), budget),
-                         torch.full((len(rows),), recent), sink)
+    dev = r2t.device
+    return DecodeSubsets(r2t, rows, seq, sel.to(dev), torch.full((len(rows), hkv), budget,
+                                                                   device=dev),
+                         torch.full((len(rows),), recent, device=dev), sink)
 
 
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
@@ -90,19 +105,70 @@ def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
             "vs_torch_native": {p: ms[p] / ms["torch_native"] for p in ms}, "rel_err": errs}
 
 
+def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: int,
+                   hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
+    """The ``--device cuda`` paths (module doc); times with CUDA synchronisation."""
+    ks, vs, r2t, q = _setup(history, batch, layers, hq, hkv, d, device="cuda")
+    rows = torch.arange(batch, device="cuda")
+    seq = torch.full((batch,), history, device="cuda")
+    scale = d**-0.5
+    dense = dense_subsets(r2t, rows, seq, hkv)
+    subsets = {"exact triton": dense}
+    if history > budget + 4 + 80:
+        sparse = _sparse(r2t, rows, seq, hkv, budget)
+        subsets |= {"loopserve triton": sparse, "loopserve torch": sparse}
+    out = torch.empty_like(q)
+
+    def sdpa():
+        for k, v in zip(ks, vs):
+            slots = r2t.long()  # [B, T]
+            kb, vb = k[slots].transpose(1, 2), v[slots].transpose(1, 2)  # [B, Hkv, T, D]
+            out.copy_(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, None], kb, vb, scale=scale, enable_gqa=True)[:, :, 0])
+        return out
+
+    def ours(path):
+        impl = path.split()[1]
+        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out,
+                                      check=i == 0)
+                        for i, (k, v) in enumerate(zip(ks, vs))][-1]
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
+    fns = {"dense sdpa": sdpa, **{p: ours(p) for p in subsets}}
+    ms = {p: 1e3 * median_s(synced(fn), repeats, warmup=2) for p, fn in fns.items()}
+    errs = {}
+    for p, fn in fns.items():
+        sub = subsets.get(p, dense)
+        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
+                                      scale=scale).double()
+        got = fn().double()
+        errs[p] = float((got - ref).norm() / ref.norm())
+    return {"history": history, "batch": batch, "layers": layers, "ms": ms,
+            "vs_dense_sdpa": {p: ms[p] / ms["dense sdpa"] for p in ms}, "rel_err": errs}
+
+
 def markdown(res: dict) -> str:
     rows = []
+    c = res["config"]
+    cuda = c.get("device") == "cuda"
+    base, paths = ("dense sdpa", CUDA_PATHS) if cuda else ("torch_native", PATHS)
     for pt in res["points"]:
-        for p in PATHS:
+        for p in paths:
             if p in pt["ms"]:
                 rows.append([str(pt["history"]), str(pt["batch"]), p,
-                             render.num(pt["ms"][p], digits=1),
-                             render.ratio(pt["vs_torch_native"][p]), f"{pt['rel_err'][p]:.1e}"])
-    c = res["config"]
+                             render.num(pt["ms"][p], digits=2),
+                             render.ratio(pt[f"vs_{base.replace(' ', '_')}"][p]),
+                             f"{pt['rel_err'][p]:.1e}"])
+    where = c.get("gpu") if cuda else f"{c['threads']} threads"
     head = (f"One decode step, {c['layers']} layers, 9/3 heads, head_dim 64, bf16 KV, "
-            f"{c['threads']} threads, median of {c['repeats']}.")
+            f"{where}, median of {c['repeats']}.")
     return "\n".join([head, "", *render.table(
-        ["history", "batch", "path", "ms / step", "vs torch_native", "rel. err (fp64)"],
+        ["history", "batch", "path", "ms / step", f"vs {base}", "rel. err (fp64)"],
         rows)]) + "\n"
 
 
@@ -115,13 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu (default): stock's torch_native against the C++ kernel; "
+                         "cuda: the Triton and torch paths against gathered SDPA")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA GPU; valid here: cpu")
     if min(args.histories + args.batches + [args.layers, args.repeats, args.budget]) < 1:
         ap.error("--histories, --batches, --layers, --repeats and --budget must be >= 1")
     cli.set_threads(args.threads)
-    res = {"config": {"layers": args.layers, "repeats": args.repeats, "budget": args.budget,
-                      "threads": torch.get_num_threads()},
-           "points": [run_point(h, b, args.layers, args.budget, args.repeats)
+    point = run_point_cuda if args.device == "cuda" else run_point
+    config = {"layers": args.layers, "repeats": args.repeats, "budget": args.budget,
+              "threads": torch.get_num_threads(), "device": args.device}
+    if args.device == "cuda":
+        config["gpu"] = torch.cuda.get_device_name()
+    res = {"config": config,
+           "points": [point(h, b, args.layers, args.budget, args.repeats)
                       for h in args.histories for b in args.batches]}
     md = markdown(res)
     cli.write_results(args.out, res, md)

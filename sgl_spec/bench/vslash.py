@@ -27,6 +27,9 @@ the smallest n where the sparse path wins is ``--spec-prefill-min-tokens``'s def
 ``--reuse``: the chat's second turn selected with and without the first turn's
 lines as seeds: selection time, density and recovered mass (full attention).
 
+``--device cuda`` (a lent GPU): the same synthetic inputs on the GPU, the lines through
+the Triton kernel (``--impl``) against SDPA's fused kernels; times are CUDA-synchronised.
+
 The line kernel is the torch impl's: the C++ slash kernel where it builds
 (``kernels/vslash/cpu_kernel.py``), torch ops only with ``SGLSPEC_CPU_KERNELS=0``.
 Every time is ``timing.median_s`` (median of ``--repeats``, no warm-up call).
@@ -85,11 +88,11 @@ def random_lines(
 def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history_len: int) -> torch.Tensor:
     """One SDPA call: ``is_causal`` without a prefix, an offset causal mask with one
     (exact mode's call for short extends, ``sgl_spec.attention.extend``)."""
-    n = q.shape[0]
+    n, dev = q.shape[0], q.device
     mask = None
     if history_len:
-        pos = torch.arange(history_len, history_len + n)[:, None]
-        mask = torch.arange(history_len + n)[None, :] <= pos  # [n, N+n]
+        pos = torch.arange(history_len, history_len + n, device=dev)[:, None]
+        mask = torch.arange(history_len + n, device=dev)[None, :] <= pos  # [n, N+n]
     out = scaled_dot_product_attention(
         q.movedim(0, 1).unsqueeze(0), k.movedim(0, 1).unsqueeze(0),
         v.movedim(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=True,
@@ -283,7 +286,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --crossover: the serving rule's --spec-prefill-skip-density")
     ap.add_argument("--per-layer", action="store_true",
                     help="with --crossover: each layer, and the break-even per density bin")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the synthetic inputs live (default cpu)")
+    ap.add_argument("--impl", choices=["torch", "triton"],
+                    help="the line kernel (default: torch on cpu, triton on cuda)")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA GPU; valid here: cpu")
+    if args.device == "cuda" and args.qk:
+        ap.error("--qk runs on cpu only; valid with --device cuda: the synthetic inputs")
+    impl = args.impl or ("triton" if args.device == "cuda" else "torch")
     cli.set_threads(args.threads)
     if args.qk:
         if not (args.crossover or args.reuse):
@@ -297,19 +309,22 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     n, hist = args.n, args.history
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(n, args.q_heads, args.head_dim, generator=g).to(dtype)
-    k = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dtype)
-    v = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dtype)
+    dev = args.device
+    q = torch.randn(n, args.q_heads, args.head_dim, generator=g).to(dev, dtype)
+    k = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dev, dtype)
+    v = torch.randn(hist + n, args.kv_heads, args.head_dim, generator=g).to(dev, dtype)
 
-    base_s = median_s(lambda: dense_sdpa(q, k, v, hist), args.repeats)
-    select_s = median_s(lambda: select_lines(q, k, hist, SelectConfig(alpha=args.alpha)),
-                        args.repeats)
+    def time_s(fn) -> float:
+        if dev == "cpu":
+            return median_s(fn, args.repeats)
+        return median_s(lambda: (fn(), torch.cuda.synchronize()), args.repeats, warmup=1)
+
+    base_s = time_s(lambda: dense_sdpa(q, k, v, hist))
+    select_s = time_s(lambda: select_lines(q, k, hist, SelectConfig(alpha=args.alpha)))
     rows = []
     for share, target in ((s, t) for s in args.vertical_share for t in args.density):
         lines = random_lines(args.kv_heads, n, hist, target, 64, 4, seed=1, vertical_share=share)
-        sparse_s = median_s(
-            lambda: vslash_attention(q, k, v, lines, hist, impl="torch"), args.repeats
-        )
+        sparse_s = time_s(lambda: vslash_attention(q, k, v, lines, hist, impl=impl))
         rows.append({
             "vertical_share": share,
             "n": n, "history": hist, "q_heads": args.q_heads, "kv_heads": args.kv_heads,
@@ -317,18 +332,19 @@ def main(argv: list[str] | None = None) -> None:
             "density": float(density(lines, n, hist).mean()),
             "verticals_per_head": lines.vertical[0].numel(),
             "slashes_per_head": lines.slash[0].numel(),
-            "dense_sdpa_s": base_s, "vslash_torch_s": sparse_s,
+            "dense_sdpa_s": base_s, f"vslash_{impl}_s": sparse_s,
             "speedup": base_s / sparse_s, "select_s": select_s,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "device": dev,
         })
     _append_jsonl(args.out, rows)
+    where = torch.cuda.get_device_name() if dev == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"n={n} N={hist} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"{args.dtype}, {torch.get_num_threads()} threads, median of {args.repeats}")
+          f"{args.dtype}, {where}, median of {args.repeats}, lines: {impl}")
     print(f"dense SDPA {base_s:.3f} s; select_lines {select_s:.3f} s")
     print(f"{'density':>8} {'verticals':>9} {'slashes':>8} {'vslash s':>9} {'speedup':>8}")
     for r in rows:
         print(f"{r['density']:8.3f} {r['verticals_per_head']:9d} {r['slashes_per_head']:8d} "
-              f"{r['vslash_torch_s']:9.3f} {r['speedup']:7.2f}x")
+              f"{r[f'vslash_{impl}_s']:9.3f} {r['speedup']:7.2f}x")
 
 
 if __name__ == "__main__":
