@@ -1,10 +1,14 @@
 """Build-on-first-use for sgl_spec's C++ CPU kernels (``*/csrc/*.cpp``).
 
-``torch.utils.cpp_extension.load`` compiles a kernel once (g++ and ninja, 30-90 s)
+``torch.utils.cpp_extension.load`` compiles a kernel once (g++ and ninja, 30-180 s)
 and caches it under torch's extension directory (``TORCH_EXTENSIONS_DIR``), in a
-directory of its own per source digest (the ``.cpp``, the shared headers, the flags) and
-CPU vector capability (the sources are compiled with ``-march=native``): two checkouts
-with different sources keep two builds instead of rebuilding each other's.
+directory of its own per source digest (the ``.cpp``, the shared headers, the flags, the
+torch version) and CPU vector capability (the sources are compiled with
+``-march=native``): two checkouts with different sources keep two builds instead of
+rebuilding each other's. A finished build is stamped (``built.ok``) and later loads
+import its module directly: torch's ``load`` would rebuild whenever the environment's
+path differs (its include paths are in ``build.ninja``), so every fresh clone with its own
+``.venv`` paid the whole build again.
 
 Builds are serialised across processes by an ``flock`` on ``<dir>.flock``, which the
 kernel drops when its holder dies. torch's own lock file (``<dir>/lock``, which a build
@@ -47,6 +51,9 @@ def build_dir(name: str, source: Path, cap: str) -> Path:
     for header in sorted(INCLUDE.glob("*.h")):
         digest.update(header.read_bytes())
     digest.update(" ".join(FLAGS).encode())
+    import torch
+
+    digest.update(torch.__version__.encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / "sgl_spec" / f"{name}_{cap}_{digest.hexdigest()[:12]}"
 
@@ -60,6 +67,27 @@ def clear_stale_lock(directory: Path) -> bool:
     logger.warning("removing %s, left by a kernel build that was killed midway", stale)
     stale.unlink(missing_ok=True)
     return True
+
+
+STAMP = "built.ok"  # written once a build in the directory has finished
+
+
+def import_built(module_name: str, directory: Path) -> ModuleType | None:
+    """The module a finished build left in ``directory``; None if there is none or it
+    does not import (then it is built again)."""
+    import importlib.util
+
+    so = directory / f"{module_name}.so"
+    if not (directory / STAMP).exists() or not so.exists():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except (ImportError, OSError) as e:
+        logger.warning("rebuilding %s: its earlier build does not import (%s)", so, e)
+        return None
 
 
 def _build(name: str, source: Path) -> ModuleType:
@@ -77,10 +105,18 @@ def _build(name: str, source: Path) -> ModuleType:
     with open(f"{directory}.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or when this process dies
         clear_stale_lock(directory)
-        return load(name=f"sgl_spec_{name}_{cap}", sources=[str(source)],
-                    extra_cflags=FLAGS, extra_include_paths=[str(INCLUDE)],
-                    extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                    verbose=False)
+        module_name = f"sgl_spec_{name}_{cap}"
+        built = import_built(module_name, directory)
+        if built is not None:
+            return built
+        (directory / STAMP).unlink(missing_ok=True)
+        logger.info("building the C++ CPU kernel %s (once, 30-180 s)", source.name)
+        module = load(name=module_name, sources=[str(source)],
+                      extra_cflags=FLAGS, extra_include_paths=[str(INCLUDE)],
+                      extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                      verbose=False)
+        (directory / STAMP).touch()
+        return module
 
 
 def load_cpu_kernel(name: str, source: Path) -> ModuleType | None:
@@ -94,7 +130,6 @@ def load_cpu_kernel(name: str, source: Path) -> ModuleType | None:
     with _lock:
         if name not in _built:
             try:
-                logger.info("building the C++ CPU kernel %s (once, 30-90 s)", source.name)
                 _built[name] = _build(name, source)
             except Exception as e:  # no compiler, no ninja, unsupported platform
                 if mode == "1":

@@ -106,9 +106,10 @@ FLAGS: tuple[Flag, ...] = (
          "loopserve prefill: seed each extend's selection with the lines kept on the "
          "cached turn it continues (a payload of the radix tree's nodes)."),
     Flag("--spec-krul", "krul", "enable", "bool",
-         "Krul: when HiCache demotes a conversation's KV from the device, merge the "
-         "layer pairs whose attention is most alike (MiniCache-style, magnitudes kept) "
-         "in the host tier, so it holds more conversations. Needs "
+         "Krul: the host tier keeps conversations' KV compressed (rows in "
+         "--spec-krul-codec; when HiCache demotes a conversation, the layer pairs whose "
+         "attention is most alike merge, MiniCache-style, where their KV are alike too), "
+         "so it holds more conversations; checksummed, recomputed if damaged. Needs "
          "--enable-hierarchical-cache."),
     Flag("--spec-krul-gamma", "krul", "gamma", "fraction",
          "Krul: layers whose attention share on the first and last 10%% of the history "
@@ -121,6 +122,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-krul-max-error", "krul", "max_error", "fraction",
          "Krul: a pair whose merged KV would differ from the layers' own by more than this "
          "(relative L2 error, K or V, over the node's tokens) is kept exact instead."),
+    Flag("--spec-krul-codec", "krul", "codec", "choice",
+         "Krul: how the host tier stores each token's K and V at a layer. 'int8': "
+         "per-token, per-head int8 with a bf16 scale (0.516x of bf16 at head_dim 64, "
+         "~1%% error); 'full': the pool's dtype, as stock's host pool. Merged pairs store "
+         "their shared direction the same way.", ("int8", "full")),
     Flag("--spec-krul-stats", "krul", "stats_path", "path",
          "Krul: the model's attention statistics, a file written by 'python -m "
          "sgl_spec.calibrate strategy'. Empty: measured once for --model-path into the "
@@ -242,13 +248,15 @@ class KrulConfig:
     bounds what MiniCache's retained tokens cost. max_error 0.2 is the exact fallback:
     on the default model every pair's K and V are nearly orthogonal (cosine ~0) and a
     merge errs by 0.65-0.88, which changed a greedy answer after its first token, so
-    no pair merges there (docs/design/krul.md, "Step 2")."""
+    no pair merges there (docs/design/krul.md, "Step 2"). codec int8 is what compresses
+    instead (0.516x of bf16 rows, ~1% error; §11)."""
 
     enable: bool = False
     gamma: float = 0.8
     ratio: float = 0.5
     retain: float = 0.05
     max_error: float = 0.2
+    codec: str = "int8"
     stats_path: str = ""
 
     def __post_init__(self):

@@ -205,3 +205,14 @@ def test_run_plan_presets_and_validation():
         runner.RunPlan("quick", (), 256, concurrency=0)
 
 
+
+
+def test_conversations_filter_names_the_valid_ones(model_path, tmp_path, capsys):
+    from sgl_spec.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--model-path", model_path, "--url", "http://127.0.0.1:1",
+              "--conversations", "qa-0-0", "nope", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--conversations: unknown nope; valid: qa-" in err and "qa-0-0," not in err

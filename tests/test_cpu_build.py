@@ -66,3 +66,35 @@ def test_clear_stale_lock_reports_whether_one_was_there(tmp_path):
     (tmp_path / "lock").touch()
     assert cpu_build.clear_stale_lock(tmp_path) is True
     assert not (tmp_path / "lock").exists()
+
+
+def test_a_finished_build_is_imported_without_torchs_load(tmp_path, monkeypatch):
+    """A second environment (another clone's .venv) imports the stamped build instead of
+    letting torch's load rebuild it for its own include paths."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    directory = cpu_build.build_dir("k", source, cap)
+    calls = []
+
+    def fake_load(name, sources, build_directory, **kw):
+        calls.append(name)
+        return "module"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    assert cpu_build._build("k", source) == "module" and calls == [f"sgl_spec_k_{cap}"]
+    assert (directory / cpu_build.STAMP).exists()
+    imported = []
+    monkeypatch.setattr(cpu_build, "import_built",
+                        lambda module, d: imported.append((module, d)) or "the built one")
+    assert cpu_build._build("k", source) == "the built one" and len(calls) == 1
+    assert imported == [(f"sgl_spec_k_{cap}", directory)]
+
+
+def test_import_built_needs_the_stamp_and_a_module_that_imports(tmp_path):
+    assert cpu_build.import_built("m", tmp_path) is None
+    (tmp_path / "m.so").write_bytes(b"not an ELF file")
+    assert cpu_build.import_built("m", tmp_path) is None  # no stamp: an unfinished build
+    (tmp_path / cpu_build.STAMP).touch()
+    assert cpu_build.import_built("m", tmp_path) is None  # does not import: rebuilt

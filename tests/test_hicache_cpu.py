@@ -269,7 +269,7 @@ def test_host_pool_modules_are_patched():
 # Real server: evict to host, restore, same output
 # ---------------------------------------------------------------------------
 
-PROMPT_TOKENS = 1500
+PROMPT_TOKENS = 900
 MAX_NEW_TOKENS = 8
 
 
@@ -311,8 +311,8 @@ def hicache_server(model_path, tmp_path):
         "--model-path", model_path,
         "--device", "cpu",
         "--attention-backend", "torch_native",
-        # Room for one 1500-token request: the next one evicts it to the host.
-        "--max-total-tokens", "2048",
+        # Room for one 900-token request: the next one evicts it to the host.
+        "--max-total-tokens", "1200",
         "--enable-hierarchical-cache",
         "--hicache-io-backend", "direct",
         "--hicache-mem-layout", "layer_first",
@@ -340,7 +340,7 @@ def test_evicted_prompt_is_restored_from_host(hicache_server, model_path):
 
     first_text, first_meta, recompute_s = _generate(url, first_prompt)
     assert first_meta["cached_tokens"] < 16, first_meta  # cold: nothing cached
-    # 2048 slots cannot hold both: the first prompt's KV leaves the device pool
+    # 1200 slots cannot hold both: the first prompt's KV leaves the device pool
     # (write-through already copied it to the host pool).
     _, evict_meta, _ = _generate(url, evicting_prompt)
     assert evict_meta["cached_tokens"] < 16, evict_meta

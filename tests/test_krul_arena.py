@@ -12,11 +12,16 @@ from sgl_spec.krul.select import Strategy
 L, H, D = 6, 2, 8
 
 
-def _filled(n=10, slots=40, rows=None, dtype=torch.float32, seed=0):
-    """An arena with n tokens backed up; poisoned with NaN so unwritten rows show."""
-    a = Arena(slots, L, rows or slots * L, H, D, dtype)
-    a.k.fill_(float("nan"))
-    a.v.fill_(float("nan"))
+def _filled(n=10, slots=40, rows=None, dtype=torch.float32, seed=0, codec="full"):
+    """An arena with n tokens backed up; poisoned (NaN, or int8 scales) so unwritten
+    rows show."""
+    a = Arena(slots, L, rows or slots * L, H, D, dtype, codec=codec)
+    if codec == "full":
+        a.k.fill_(float("nan"))
+        a.v.fill_(float("nan"))
+    else:
+        a.store.k_scale.fill_(float("nan"))
+        a.store.v_scale.fill_(float("nan"))
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n, H, D, generator=g)
     k = torch.stack([base * (1 + 0.1 * l) + 0.05 * torch.randn(n, H, D, generator=g)
@@ -140,3 +145,52 @@ def test_a_pair_that_merges_badly_stays_exact():
     for l in (4, 5):                          # exact, own rows
         kk, vv, _ = a.read(l, s)
         assert torch.equal(kk, k[l]) and torch.equal(vv, v[l])
+
+
+# --- the int8 codec ---------------------------------------------------------------------
+
+
+def test_int8_rows_are_the_reference_quantization_and_cost_what_they_say():
+    from sgl_spec.krul.quant import quantize_ref
+
+    a, s, k, v = _filled(codec="int8")
+    for l in range(L):
+        rows = a.map[l, s]
+        q, scale = quantize_ref(k[l])
+        assert torch.equal(a.k[rows], q) and torch.equal(a.store.k_scale[rows], scale)
+        kk, vv, stored = a.read(l, s)
+        assert stored.all() and kk.dtype == torch.float32
+        for got, want in ((kk, k[l]), (vv, v[l])):
+            assert float((got - want).norm() / want.norm()) < 0.01
+    # a row: H*D int8 and H bf16 scales, for K and V; against float32's 2*H*D*4
+    assert a.row_bytes == 2 * (H * D + 2 * H)
+    assert a.stored_bytes(s) == 10 * L * a.row_bytes
+    assert a.stored_bytes(s) / a.full_bytes(10) == pytest.approx(40 / 128)
+
+
+def test_int8_arena_holds_more_rows_in_the_same_budget():
+    hh, dd = 3, 64  # the default model's KV heads and head_dim
+    budget = Arena.bytes_for(40, L, 40 * L, hh, dd, 2)
+    full = Arena.rows_for_budget(budget, 40, L, hh, dd, torch.bfloat16, "full")
+    int8 = Arena.rows_for_budget(budget, 40, L, hh, dd, torch.bfloat16, "int8")
+    assert full == 40 * L and int8 > 1.8 * full  # the maps and free lists cost the rest
+    assert Arena.bytes_for(40, L, int8, hh, dd, 2, None, 2 * (hh * dd + 2 * hh)) <= budget
+    with pytest.raises(ValueError, match="valid: full, int8"):
+        Arena(4, L, 4 * L, H, D, torch.bfloat16, codec="fp4")
+
+
+def test_int8_merges_pairs_and_checksums_its_scales():
+    a, s, k, v = _filled(n=16, codec="int8")
+    v[1] = v[0] * 1.2
+    for l in (0, 1):
+        a.write(l, s, k[l], v[l])
+    c = a.compress(s, Strategy(L, ((0, 1),)), [0] * L, MergeParams(retain=0.0, max_error=0.2))
+    assert c.tokens_merged == 16 and c.rows_freed == 16
+    kk, vv, _ = a.read(1, s)
+    assert float((vv - v[1]).norm() / v[1].norm()) < 0.05
+    before = a.checksum(s)
+    row = a.map[3, s[5]]
+    a.store.v_scale[row].view(torch.uint8)[0] ^= 1
+    assert a.checksum(s) != before
+    a.free(s)
+    assert a.available() == 40

@@ -187,6 +187,14 @@ def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
         check_krul(cfg, [])
     with pytest.raises(ValueError, match="valid: no --hicache-storage-backend"):
         check_krul(cfg, [*rest, "--hicache-storage-backend", "file"])
+    assert cfg.krul.codec == "int8"
+    cfg8, _ = split_argv(["--spec-krul", "--spec-krul-codec", "full"])
+    assert cfg8.krul.codec == "full"
+    with pytest.raises(SystemExit):
+        split_argv(["--spec-krul", "--spec-krul-codec", "fp4"])
+    with pytest.raises(ValueError, match="--spec-krul-codec 'fp4' is invalid; valid values: "
+                                         "int8, full"):
+        KrulConfig(enable=True, codec="fp4")
     with pytest.raises(ValueError, match="read only with --spec-krul"):
         KrulConfig(stats_path="x.json")
     with pytest.raises(ValueError, match="drop --spec-disable"):

@@ -402,11 +402,12 @@ class TestBudgetCoversHistory:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def servers(cls, model_path, tmp_path_factory):
-        # One server at a time (2-core machines): the exact-mode reference first.
+    def servers(cls, model_path, spec_server, tmp_path_factory):
+        # The exact-mode reference from the session's exact server, its cache flushed
+        # so that no prompt hits a prefix an earlier test left.
+        requests.post(f"{spec_server.url}/flush_cache", timeout=60).raise_for_status()
+        reference = [generate(spec_server.url, p, 24)["output_ids"] for p in PROMPTS]
         flags = ["--model-path", model_path, *COMMON_FLAGS]
-        with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "exact")) as s:
-            reference = [generate(s.url, p, 24)["output_ids"] for p in PROMPTS]
         sparse = flags + ["--spec-mode", "loopserve", "--spec-budget", "4096",
                           "--spec-min-context", "0", "--enable-metrics"]
         with ServerProcess(SPEC, sparse,

@@ -103,8 +103,8 @@ def test_head_keys_survive_hicache_write_back_and_load(model_path, head_path, tm
     flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
              "--spec-draft-path", head_path, "--spec-budget", "32",
              "--spec-min-context", "256", "--enable-metrics",
-             # Room for one 1500-token request: the next one evicts it to the host.
-             "--max-total-tokens", "2048", "--enable-hierarchical-cache",
+             # Room for one 900-token request: the next one evicts it to the host.
+             "--max-total-tokens", "1200", "--enable-hierarchical-cache",
              "--hicache-ratio", "2", "--enable-cache-report"]
     with ServerProcess(SPEC, flags, log_path=str(tmp_path / "server.log")) as server:
         assert generate(server.url, first, 8)["meta_info"]["cached_tokens"] < 16

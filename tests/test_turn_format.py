@@ -154,6 +154,20 @@ def test_summary_derives_rounds_of_each_branch_on_demand():
     assert s["freed_tokens_by_rule"] == {"lru": 3}
 
 
+def test_summary_reports_a_branchs_compressed_host_bytes():
+    """Krul's records: a branch sums the stored and full bytes of its host segments."""
+    segs = [Segment(1, None, np.arange(10, dtype=np.int64), "host", 1.0, 400, 1000),
+            Segment(2, 1, np.arange(4, dtype=np.int64), "host", 2.0, 160, 400),
+            _seg(3, 1, [7, 8], atime=3.0)]
+    s = summary(segs, None, tree_core="tagged", eviction="lru", freed_by_rule={})
+    by_leaf = {b["leaf_node"]: b for b in s["branches"]}
+    assert by_leaf[2]["krul_stored_bytes"] == 560 and by_leaf[2]["krul_full_bytes"] == 1400
+    assert by_leaf[3]["krul_stored_bytes"] == 400 and by_leaf[3]["krul_full_bytes"] == 1000
+    plain = summary([_seg(1, None, [5])], None, tree_core="tagged", eviction="lru",
+                    freed_by_rule={})
+    assert "krul_stored_bytes" not in plain["branches"][0]
+
+
 def test_summary_without_a_turn_format_is_untagged():
     segs = [_seg(1, None, [5, 6, 7]), _seg(2, 1, [8])]
     s = summary(segs, None, tree_core="tagged", eviction="lru", freed_by_rule={})

@@ -63,6 +63,10 @@ def build_parser():
                    help="reuse the rows an earlier run with the same --out, inputs and "
                    "flags left (turns-<row>.json) instead of playing them again; the "
                    "report says when each reused row was played")
+    p.add_argument("--conversations", nargs="+", metavar="NAME",
+                   help="play only these conversations of the dataset (by name, e.g. qa-0-0; "
+                   "dataset.jsonl in --out lists them): a same-machine timing of a few rows "
+                   "over part of a long preset")
     p.add_argument("--dataset", metavar="JSONL",
                    help="play this saved dataset (dataset.to_jsonl) instead of generating one")
     cli.add_common(p, out_required=False,
@@ -123,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                     dataset_config.max_tokens)
     else:
         convs = dataset.generate(dataset_config, tokenizer)
+    if args.conversations:
+        names = [c.name for c in convs]
+        unknown = [n for n in args.conversations if n not in names]
+        if unknown:
+            parser.error(f"--conversations: unknown {', '.join(unknown)}; valid: "
+                         f"{names[0]} .. {names[-1]} ({len(names)} conversations)")
+        convs = [c for c in convs if c.name in set(args.conversations)]
     # Rendered once, offline: every row is asked the same.
     work = runner.Workloads(plan, convs, dataset_config.max_tokens,
                             plan.longgen_items(tokenizer), plan.chat_items(tokenizer))

@@ -33,6 +33,9 @@ class Segment(NamedTuple):
     tokens: np.ndarray  # [n] int64 token ids
     tier: str | None  # "device", "host", or None (neither: a tombstone)
     atime: float  # last access, seconds since the epoch (nan: unknown)
+    # Krul: what the host tier stores for it, and what a full copy would (0: not compressed)
+    stored_bytes: int = 0
+    full_bytes: int = 0
 
 
 class _Tree:
@@ -177,7 +180,11 @@ def summary(
     leaves = sorted(tree.leaves, key=lambda sid: _key(tree.eff[sid]), reverse=True)
     branches = []
     for leaf in leaves[:MAX_BRANCHES]:
-        rounds = _branch_rounds(tree.path(leaf), fmt, now)
+        path = tree.path(leaf)
+        rounds = _branch_rounds(path, fmt, now)
+        krul = [s for s in path if s.full_bytes and s.tier == "host"]
+        extra = {"krul_stored_bytes": sum(s.stored_bytes for s in krul),
+                 "krul_full_bytes": sum(s.full_bytes for s in krul)} if krul else {}
         branches.append({
             "leaf_node": leaf,
             "tokens": sum(r["tokens"] for r in rounds),
@@ -186,6 +193,7 @@ def summary(
             "dead_reasoning": leaf in dead,
             "dead_tokens": dead.get(leaf, 0),
             "rounds": rounds,
+            **extra,
         })
     return {
         "tree_core": tree_core,

@@ -53,14 +53,16 @@ class KrulHostPool(MHATokenToKVPoolHost):
                              f"{self.layout!r}")
         budget = self.size * self.size_per_token
         slots = self.slot_factor * self.size
+        codec = current().krul.codec
         rows = Arena.rows_for_budget(budget, slots, self.layer_num, self.head_num,
-                                     self.head_dim, self.dtype.itemsize)
+                                     self.head_dim, self.dtype, codec)
         self.arena = Arena(slots, self.layer_num, rows, self.head_num, self.head_dim,
-                           self.dtype)
+                           self.dtype, codec=codec)
         self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        logger.info("sgl_spec krul: host arena of %d rows (%d full-size tokens) and %d "
-                    "slots in %.2f GB", rows, rows // self.layer_num, slots, budget / 1e9)
+        logger.info("sgl_spec krul: host arena of %d %s rows (%d tokens at every layer) and "
+                    "%d slots in %.2f GB", rows, codec, rows // self.layer_num, slots,
+                    budget / 1e9)
         # Stock's per-layer transfer views need a buffer; the arena holds the data.
         return torch.zeros(2, self.layer_num, 1, self.head_num, self.head_dim,
                            dtype=self.dtype)

@@ -40,10 +40,14 @@ def node_segments(core) -> list[Segment]:
     while stack:
         node = stack.pop()
         spec = getattr(node, "spec", None)
+        # Krul's record on a compressed node (integration.krul.KrulMeta)
+        krul = ((spec.payloads or {}).get("krul") if spec is not None else None)
+        meta = krul[1] if krul is not None else None
         out.append(Segment(
             node.id, None if node.parent is root else node.parent.id,
             np.frombuffer(node.key.raw_token_ids(), dtype=np.int64), _tier(node),
             spec.atime if spec is not None else float("nan"),
+            getattr(meta, "stored_bytes", 0), getattr(meta, "full_bytes", 0),
         ))
         stack.extend(node.children.values())
     return out

@@ -5,6 +5,8 @@ saves nothing unless slots stop owning their rows. Here a slot owns, per layer, 
 of: its own row (``map >= 0``), nothing (``UNSTORED``: recomputed on restore), or a
 share of a merged pair's direction row (``map = -2 - row``, with its own magnitudes).
 Rows come from one arena for all layers, so a row freed at any layer serves any other.
+A row is stored through a codec (``krul.codec``: the pool's dtype, or int8 with scales),
+so the arena holds ``budget / codec row bytes`` rows.
 
 ``alloc(n)`` reserves n slots *and* n * L rows (a backup never fails halfway);
 ``available()`` is in full-size tokens, so callers that count tokens stay correct.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from .codec import codec_class
 from .merge import MergeParams, merge, pair_retained, reconstruction_error
 from .select import Strategy
 
@@ -71,13 +74,15 @@ class _Stack:
 
 
 class Arena:
-    """Rows: k, v [num_rows, H, D]; magnitudes [num_mags, 2 (K/V), H]; maps [L, slots]."""
+    """Rows: ``store`` (k, v [num_rows, H, D] in the codec's form); magnitudes
+    [num_mags, 2 (K/V), H] in ``dtype``; maps [L, slots]."""
 
     def __init__(self, num_slots: int, num_layers: int, num_rows: int, num_heads: int,
-                 head_dim: int, dtype: torch.dtype, num_mags: int | None = None):
+                 head_dim: int, dtype: torch.dtype, num_mags: int | None = None,
+                 codec: str = "full"):
         self.L, self.H, self.D, self.dtype = num_layers, num_heads, head_dim, dtype
-        self.k = torch.empty(num_rows, num_heads, head_dim, dtype=dtype)
-        self.v = torch.empty(num_rows, num_heads, head_dim, dtype=dtype)
+        self.store = codec_class(codec)(num_rows, num_heads, head_dim, dtype)
+        self.k, self.v = self.store.k, self.store.v  # the stored data, as encoded
         num_mags = num_rows if num_mags is None else num_mags
         self.mag = torch.empty(num_mags, 2, num_heads, dtype=dtype)
         self.map = torch.full((num_layers, num_slots), _FREE, dtype=torch.int64)
@@ -86,23 +91,27 @@ class Arena:
 
     @staticmethod
     def bytes_for(num_slots: int, num_layers: int, num_rows: int, num_heads: int,
-                  head_dim: int, itemsize: int, num_mags: int | None = None) -> int:
-        """Memory the arena takes (rows, magnitudes, maps and free lists)."""
+                  head_dim: int, itemsize: int, num_mags: int | None = None,
+                  row_bytes: int | None = None) -> int:
+        """Memory the arena takes (rows, magnitudes, maps and free lists); ``row_bytes``:
+        the codec's bytes per row (default: the pool's dtype, ``itemsize``)."""
         num_mags = num_rows if num_mags is None else num_mags
-        return (2 * num_rows * num_heads * head_dim * itemsize + num_mags * 2 * num_heads * itemsize
+        row_bytes = 2 * num_heads * head_dim * itemsize if row_bytes is None else row_bytes
+        return (num_rows * row_bytes + num_mags * 2 * num_heads * itemsize
                 + 2 * num_layers * num_slots * 8 + (num_slots + num_rows + num_mags) * 9)
 
     @property
     def row_bytes(self) -> int:
-        """One token's K and V at one layer."""
-        return 2 * self.H * self.D * self.k.element_size()
+        """One token's K and V at one layer, as stored."""
+        return self.store.row_bytes
 
     @classmethod
     def rows_for_budget(cls, budget: int, num_slots: int, num_layers: int, num_heads: int,
-                        head_dim: int, itemsize: int) -> int:
+                        head_dim: int, dtype: torch.dtype, codec: str = "full") -> int:
         """The most rows whose arena (with ``num_slots`` slots) fits in ``budget`` bytes."""
-        fixed = cls.bytes_for(num_slots, num_layers, 0, num_heads, head_dim, itemsize, 0)
-        per_row = cls.bytes_for(0, 0, 1, num_heads, head_dim, itemsize, 1)
+        row_bytes = codec_class(codec).row_bytes_for(num_heads, head_dim, dtype)
+        fixed = cls.bytes_for(num_slots, num_layers, 0, num_heads, head_dim, dtype.itemsize, 0)
+        per_row = cls.bytes_for(0, 0, 1, num_heads, head_dim, dtype.itemsize, 1, row_bytes)
         return max(0, (budget - fixed) // per_row)
 
     def clear(self) -> None:
@@ -147,8 +156,7 @@ class Arena:
         rows = self.map[layer, slots.cpu().long()]
         if (rows < 0).any():
             raise RuntimeError(f"layer {layer}: slots without their own row cannot be written")
-        self.k[rows] = k.to(self.dtype)
-        self.v[rows] = v.to(self.dtype)
+        self.store.put(rows, k, v)
 
     def read(self, layer: int, slots: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,13 +168,13 @@ class Arena:
         k = torch.zeros(n, self.H, self.D, dtype=self.dtype)
         v = torch.zeros_like(k)
         own = m >= 0
-        k[own], v[own] = self.k[m[own]], self.v[m[own]]
+        k[own], v[own] = self.store.get(m[own])
         mer = m <= -2
         if mer.any():
-            rows = merged_code(m[mer])
+            dk, dv = self.store.get(merged_code(m[mer]))
             mags = self.mag[self.mag_of[layer, slots.cpu().long()][mer]]        # [r, 2, H]
-            k[mer] = (self.k[rows].float() * mags[:, 0, :, None].float()).to(self.dtype)
-            v[mer] = (self.v[rows].float() * mags[:, 1, :, None].float()).to(self.dtype)
+            k[mer] = (dk.float() * mags[:, 0, :, None].float()).to(self.dtype)
+            v[mer] = (dv.float() * mags[:, 1, :, None].float()).to(self.dtype)
         return k, v, m != UNSTORED
 
     def compress(self, slots: torch.Tensor, strategy: Strategy, unstored: Sequence[int],
@@ -202,16 +210,16 @@ class Arena:
                 continue
             s = slots[start:]
             ri, rj = self.map[i, s], self.map[j, s]
-            keep = pair_retained(self.k[ri], self.k[rj], self.v[ri], self.v[rj], params.retain)
+            (ki, vi), (kj, vj) = self.store.get(ri), self.store.get(rj)
+            keep = pair_retained(ki, kj, vi, vj, params.retain)
             go = ~keep
             if not go.any():
                 continue
             ri, rj, sg = ri[go], rj[go], s[go]
+            ki, vi, kj, vj = ki[go], vi[go], kj[go], vj[go]
             none = torch.zeros(len(ri), dtype=torch.bool)
-            km = merge(self.k[ri], self.k[rj], params, none)
-            vm = merge(self.v[ri], self.v[rj], params, none)
-            err = max(reconstruction_error(km, self.k[ri], self.k[rj]),
-                      reconstruction_error(vm, self.v[ri], self.v[rj]))
+            km, vm = merge(ki, kj, params, none), merge(vi, vj, params, none)
+            err = max(reconstruction_error(km, ki, kj), reconstruction_error(vm, vi, vj))
             if err > params.max_error:   # the pair's KV are not alike: it stays exact
                 skipped += 1
                 continue
@@ -219,7 +227,7 @@ class Arena:
             if mags is None:
                 raise RuntimeError("arena out of magnitude entries")
             mi, mj = mags.view(2, -1)
-            self.k[ri], self.v[ri] = km.direction, vm.direction
+            self.store.put(ri, km.direction, vm.direction)
             self.mag[mi, 0], self.mag[mi, 1] = km.mag_i, vm.mag_i
             self.mag[mj, 0], self.mag[mj, 1] = km.mag_j, vm.mag_j
             self.map[i, sg] = self.map[j, sg] = merged_code(ri)
@@ -239,7 +247,7 @@ class Arena:
 
     def full_bytes(self, n: int) -> int:
         """What n tokens take in a stock host pool (every layer, K and V)."""
-        return n * self.L * self.row_bytes
+        return n * self.L * 2 * self.H * self.D * self.dtype.itemsize
 
     def checksum(self, slots: torch.Tensor) -> int:
         """xxh3_64 of what the slots store, in token and layer order (row numbers do
@@ -250,12 +258,11 @@ class Arena:
             m = self.map[layer, slots]
             kind = torch.where(m >= 0, 0, torch.where(m == UNSTORED, 1, 2)).to(torch.int8)
             h.update(kind.numpy().tobytes())
-            own = m[m >= 0]
-            for buf in (self.k, self.v):
-                h.update(buf[own].view(torch.uint8).numpy().tobytes())
+            for t in self.store.raw(m[m >= 0]):
+                h.update(t.view(torch.uint8).numpy().tobytes())
             mer = m <= -2
             if mer.any():
-                for buf in (self.k, self.v):
-                    h.update(buf[merged_code(m[mer])].view(torch.uint8).numpy().tobytes())
+                for t in self.store.raw(merged_code(m[mer])):
+                    h.update(t.view(torch.uint8).numpy().tobytes())
                 h.update(self.mag[self.mag_of[layer, slots][mer]].view(torch.uint8).numpy().tobytes())
         return h.intdigest()
