@@ -66,6 +66,36 @@ def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSub
                          torch.full((len(rows),), recent, device=dev), sink)
 
 
+def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs, scale: float,
+             repeats: int, history: int, batch: int, warmup: int = 1, sync=None) -> dict:
+    """Time ``base_fn`` and ``sparse_decode`` over each of ``subsets`` (path "<name>
+    <impl>") across the layers, and each one's error against float64 attention."""
+    out = torch.empty_like(q)
+
+    def ours(path):
+        impl = path.split()[1]
+        # As a serving pass: the first layer checks the inputs, the others do not.
+        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out,
+                                      check=i == 0)
+                        for i, (k, v) in enumerate(zip(ks, vs))][-1]
+
+    def timed(fn):
+        return fn if sync is None else (lambda: (fn(), sync()))
+
+    fns = {base: base_fn, **{p: ours(p) for p in subsets}}
+    ms = {p: 1e3 * median_s(timed(fn), repeats, warmup=warmup) for p, fn in fns.items()}
+    errs = {}
+    for p, fn in fns.items():
+        sub = subsets.get(p, dense)
+        # The reference computes in float64 from fp32 copies of the same values.
+        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
+                                      scale=scale).double()
+        got = fn().double()
+        errs[p] = float((got - ref).norm() / ref.norm())
+    return {"history": history, "batch": batch, "layers": len(ks), "ms": ms,
+            f"vs_{base.replace(' ', '_')}": {p: ms[p] / ms[base] for p in ms}, "rel_err": errs}
+
+
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
               hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
     from sgl_spec.integration.standalone import torch_native_decode
@@ -84,25 +114,8 @@ def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
             torch_native_decode(q, out, k, v, r2t, rows, seq, scale)
         return out
 
-    def ours(path):
-        impl = path.split()[1]
-        # As a serving pass: the first layer checks the inputs, the others do not.
-        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out,
-                                      check=i == 0)
-                        for i, (k, v) in enumerate(zip(ks, vs))][-1]
-
-    fns = {"torch_native": native, **{p: ours(p) for p in subsets}}
-    ms = {p: 1e3 * median_s(fn, repeats, warmup=1) for p, fn in fns.items()}
-    errs = {}
-    for p, fn in fns.items():
-        sub = subsets.get(p, dense)
-        # The reference computes in float64 from fp32 copies of the same values.
-        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
-                                      scale=scale).double()
-        got = fn().double()
-        errs[p] = float((got - ref).norm() / ref.norm())
-    return {"history": history, "batch": batch, "layers": layers, "ms": ms,
-            "vs_torch_native": {p: ms[p] / ms["torch_native"] for p in ms}, "rel_err": errs}
+    return _measure("torch_native", native, subsets, dense, q, ks, vs, scale, repeats,
+                    history, batch)
 
 
 def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: int,
@@ -127,29 +140,8 @@ def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: 
                 q[:, :, None], kb, vb, scale=scale, enable_gqa=True)[:, :, 0])
         return out
 
-    def ours(path):
-        impl = path.split()[1]
-        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out,
-                                      check=i == 0)
-                        for i, (k, v) in enumerate(zip(ks, vs))][-1]
-
-    def synced(fn):
-        def run():
-            fn()
-            torch.cuda.synchronize()
-        return run
-
-    fns = {"dense sdpa": sdpa, **{p: ours(p) for p in subsets}}
-    ms = {p: 1e3 * median_s(synced(fn), repeats, warmup=2) for p, fn in fns.items()}
-    errs = {}
-    for p, fn in fns.items():
-        sub = subsets.get(p, dense)
-        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
-                                      scale=scale).double()
-        got = fn().double()
-        errs[p] = float((got - ref).norm() / ref.norm())
-    return {"history": history, "batch": batch, "layers": layers, "ms": ms,
-            "vs_dense_sdpa": {p: ms[p] / ms["dense sdpa"] for p in ms}, "rel_err": errs}
+    return _measure("dense sdpa", sdpa, subsets, dense, q, ks, vs, scale, repeats, history,
+                    batch, warmup=2, sync=torch.cuda.synchronize)
 
 
 def markdown(res: dict) -> str:
