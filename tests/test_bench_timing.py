@@ -16,6 +16,12 @@ def test_median_s_warms_up_then_takes_the_median(monkeypatch):
     assert len(calls) == 5  # 2 untimed + 3 timed
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         timing.median_s(lambda: None, repeats=0)
+    # sync runs after every call, warm-ups included, inside the timed span
+    clock = iter([0.0, 4.0])
+    order = []
+    assert timing.median_s(lambda: order.append("call"), repeats=1, warmup=1,
+                           sync=lambda: order.append("sync")) == 4.0
+    assert order == ["call", "sync", "call", "sync"]
 
 
 def test_timed_and_stopwatch(monkeypatch):

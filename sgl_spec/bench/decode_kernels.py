@@ -79,11 +79,8 @@ def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs,
                                       check=i == 0)
                         for i, (k, v) in enumerate(zip(ks, vs))][-1]
 
-    def timed(fn):
-        return fn if sync is None else (lambda: (fn(), sync()))
-
     fns = {base: base_fn, **{p: ours(p) for p in subsets}}
-    ms = {p: 1e3 * median_s(timed(fn), repeats, warmup=warmup) for p, fn in fns.items()}
+    ms = {p: 1e3 * median_s(fn, repeats, warmup=warmup, sync=sync) for p, fn in fns.items()}
     errs = {}
     for p, fn in fns.items():
         sub = subsets.get(p, dense)

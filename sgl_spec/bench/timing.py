@@ -47,18 +47,22 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     return value, watch.elapsed()
 
 
-def samples_s(fn: Callable[[], object], repeats: int, warmup: int = 0) -> list[float]:
-    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+def samples_s(fn: Callable[[], object], repeats: int, warmup: int = 0,
+              sync: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones; ``sync``
+    (e.g. ``torch.cuda.synchronize``) runs after each call, inside its time."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    call = fn if sync is None else (lambda: (fn(), sync()))
     for _ in range(warmup):
-        fn()
-    return [timed(fn)[1] for _ in range(repeats)]
+        call()
+    return [timed(call)[1] for _ in range(repeats)]
 
 
-def median_s(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+def median_s(fn: Callable[[], object], repeats: int, warmup: int = 0,
+             sync: Callable[[], object] | None = None) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
-    return statistics.median(samples_s(fn, repeats, warmup))
+    return statistics.median(samples_s(fn, repeats, warmup, sync))
 
 
 def median(xs: Iterable[float | None]) -> float | None:

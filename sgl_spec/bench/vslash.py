@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     def time_s(fn) -> float:
         if dev == "cpu":
             return median_s(fn, args.repeats)
-        return median_s(lambda: (fn(), torch.cuda.synchronize()), args.repeats, warmup=1)
+        return median_s(fn, args.repeats, warmup=1, sync=torch.cuda.synchronize)
 
     base_s = time_s(lambda: dense_sdpa(q, k, v, hist))
     select_s = time_s(lambda: select_lines(q, k, hist, SelectConfig(alpha=args.alpha)))

@@ -25,6 +25,9 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_
 
 from sgl_spec.cache.summary import Segment
 
+from .krul import KRUL
+
+
 def _tier(node) -> str | None:
     if node.component_data[BASE_COMPONENT_TYPE].value is not None:
         return "device"
@@ -41,7 +44,7 @@ def node_segments(core) -> list[Segment]:
         node = stack.pop()
         spec = getattr(node, "spec", None)
         # Krul's record on a compressed node (integration.krul.KrulMeta)
-        krul = ((spec.payloads or {}).get("krul") if spec is not None else None)
+        krul = ((spec.payloads or {}).get(KRUL) if spec is not None else None)
         meta = krul[1] if krul is not None else None
         out.append(Segment(
             node.id, None if node.parent is root else node.parent.id,

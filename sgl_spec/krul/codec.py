@@ -1,6 +1,6 @@
 """How Krul's host arena stores a row: one token's K and V at one layer, [H, D] each.
 
-A registry of row codecs (``CODECS``, ``row_store(name, ...)``; ``--spec-krul-codec``):
+A registry of row codecs (``CODECS``, ``codec_class(name)``; ``--spec-krul-codec``):
 
 * ``full``: the pool's dtype as it is, what stock's host pool holds (1.0x);
 * ``int8``: per-token, per-head symmetric int8 with a bf16 scale (``krul.quant``; its
