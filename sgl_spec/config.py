@@ -123,10 +123,11 @@ FLAGS: tuple[Flag, ...] = (
          "Krul: a pair whose merged KV would differ from the layers' own by more than this "
          "(relative L2 error, K or V, over the node's tokens) is kept exact instead."),
     Flag("--spec-krul-codec", "krul", "codec", "choice",
-         "Krul: how the host tier stores each token's K and V at a layer. 'int8': "
-         "per-token, per-head int8 with a bf16 scale (0.516x of bf16 at head_dim 64, "
-         "~1%% error); 'full': the pool's dtype, as stock's host pool. Merged pairs store "
-         "their shared direction the same way.", ("int8", "full")),
+         "Krul: how the host tier stores each token's K and V at a layer, per token and "
+         "head with a bf16 scale. 'k8v4': K in int8, V in 4 bits (0.39x of bf16 at "
+         "head_dim 64); 'int8': both in int8 (0.516x, ~1%% error); 'full': the pool's "
+         "dtype, as stock's host pool. Merged pairs store their shared direction the same "
+         "way.", ("k8v4", "int8", "full")),
     Flag("--spec-krul-stats", "krul", "stats_path", "path",
          "Krul: the model's attention statistics, a file written by 'python -m "
          "sgl_spec.calibrate strategy'. Empty: measured once for --model-path into the "
@@ -248,15 +249,15 @@ class KrulConfig:
     bounds what MiniCache's retained tokens cost. max_error 0.2 is the exact fallback:
     on the default model every pair's K and V are nearly orthogonal (cosine ~0) and a
     merge errs by 0.65-0.88, which changed a greedy answer after its first token, so
-    no pair merges there (docs/design/krul.md, "Step 2"). codec int8 is what compresses
-    instead (0.516x of bf16 rows, ~1% error; §11)."""
+    no pair merges there (docs/design/krul.md, "Step 2"). The codec is what compresses
+    instead: k8v4 (0.39x of bf16 rows; int8 alone is 0.516x, over the issue's 0.5x; §13)."""
 
     enable: bool = False
     gamma: float = 0.8
     ratio: float = 0.5
     retain: float = 0.05
     max_error: float = 0.2
-    codec: str = "int8"
+    codec: str = "k8v4"
     stats_path: str = ""
 
     def __post_init__(self):

@@ -116,9 +116,13 @@ def check_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
         raise ValueError("--spec-krul compresses what HiCache keeps in host memory; valid: "
                          "add --enable-hierarchical-cache, or drop --spec-krul")
     backend = _value(argv, "--hicache-storage-backend")
-    if backend not in (None, "", "none"):
+    if backend not in (None, "", "none", "file"):
         raise ValueError(f"--spec-krul with --hicache-storage-backend {backend} is not "
-                         "supported yet; valid: no --hicache-storage-backend")
+                         "supported (zero-copy backends cannot address compressed rows); "
+                         "valid: file, or no --hicache-storage-backend")
+    if backend == "file" and (_value(argv, "--page-size") or "1") != "1":
+        raise ValueError("--spec-krul with --hicache-storage-backend file needs --page-size 1 "
+                         "(its host slots are not page-contiguous); valid: --page-size 1")
     if _given(argv, "--disable-radix-cache"):
         raise ValueError("--spec-krul needs the radix cache; valid: drop "
                          "--disable-radix-cache, or drop --spec-krul")

@@ -147,25 +147,30 @@ def test_a_pair_that_merges_badly_stays_exact():
         assert torch.equal(kk, k[l]) and torch.equal(vv, v[l])
 
 
-# --- the int8 codec ---------------------------------------------------------------------
+# --- the quantized codecs ----------------------------------------------------------------
 
 
-def test_int8_rows_are_the_reference_quantization_and_cost_what_they_say():
-    from sgl_spec.krul.quant import quantize_ref
+@pytest.mark.parametrize("codec,v_bits,v_err", [("int8", 8, 0.01), ("k8v4", 4, 0.15)])
+def test_quantized_rows_are_the_reference_and_cost_what_they_say(codec, v_bits, v_err):
+    from sgl_spec.krul.quant import quantize_ref, unpack4
 
-    a, s, k, v = _filled(codec="int8")
+    a, s, k, v = _filled(codec=codec)
     for l in range(L):
         rows = a.map[l, s]
         q, scale = quantize_ref(k[l])
         assert torch.equal(a.k[rows], q) and torch.equal(a.store.k_scale[rows], scale)
+        q, scale = quantize_ref(v[l], v_bits)
+        codes = unpack4(a.v[rows]) if v_bits == 4 else a.v[rows]
+        assert torch.equal(codes, q) and torch.equal(a.store.v_scale[rows], scale)
         kk, vv, stored = a.read(l, s)
         assert stored.all() and kk.dtype == torch.float32
-        for got, want in ((kk, k[l]), (vv, v[l])):
-            assert float((got - want).norm() / want.norm()) < 0.01
-    # a row: H*D int8 and H bf16 scales, for K and V; against float32's 2*H*D*4
-    assert a.row_bytes == 2 * (H * D + 2 * H)
+        assert float((kk - k[l]).norm() / k[l].norm()) < 0.01
+        assert float((vv - v[l]).norm() / v[l].norm()) < v_err
+    # a row: H*D int8 K, H*D*v_bits/8 bytes of V and H bf16 scales each; against
+    # float32's 2*H*D*4
+    assert a.row_bytes == H * D + H * D * v_bits // 8 + 4 * H
     assert a.stored_bytes(s) == 10 * L * a.row_bytes
-    assert a.stored_bytes(s) / a.full_bytes(10) == pytest.approx(40 / 128)
+    assert a.stored_bytes(s) / a.full_bytes(10) == pytest.approx(a.row_bytes / (2 * H * D * 4))
 
 
 def test_int8_arena_holds_more_rows_in_the_same_budget():
@@ -173,9 +178,11 @@ def test_int8_arena_holds_more_rows_in_the_same_budget():
     budget = Arena.bytes_for(40, L, 40 * L, hh, dd, 2)
     full = Arena.rows_for_budget(budget, 40, L, hh, dd, torch.bfloat16, "full")
     int8 = Arena.rows_for_budget(budget, 40, L, hh, dd, torch.bfloat16, "int8")
+    k8v4 = Arena.rows_for_budget(budget, 40, L, hh, dd, torch.bfloat16, "k8v4")
     assert full == 40 * L and int8 > 1.8 * full  # the maps and free lists cost the rest
+    assert k8v4 > 2.4 * full
     assert Arena.bytes_for(40, L, int8, hh, dd, 2, None, 2 * (hh * dd + 2 * hh)) <= budget
-    with pytest.raises(ValueError, match="valid: full, int8"):
+    with pytest.raises(ValueError, match="valid: full, int8, k8v4"):
         Arena(4, L, 4 * L, H, D, torch.bfloat16, codec="fp4")
 
 
@@ -194,3 +201,53 @@ def test_int8_merges_pairs_and_checksums_its_scales():
     assert a.checksum(s) != before
     a.free(s)
     assert a.available() == 40
+
+
+# --- storage pages (an L3 backend) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["full", "k8v4"])
+def test_a_page_round_trips_its_stored_bytes_and_catches_a_flipped_one(codec):
+    a, s, k, v = _filled(n=4, codec=codec)
+    page = a.export(s)
+    assert page.dtype == torch.uint8 and page.numel() == a.page_bytes(4) == 4 * L * a.row_bytes + 8
+    t = a.alloc(4)
+    assert a.load(t, page) and not a.damaged[t].any()
+    assert a.checksum(t) == a.checksum(s)          # the same stored bytes, not re-encoded
+    for l in range(L):
+        assert torch.equal(a.read(l, t)[0], a.read(l, s)[0])
+    page[5] ^= 1
+    assert not a.load(t, page) and a.damaged[t].all()
+    a.free(t)
+    assert not a.damaged.any()                     # a slot's next owner starts clean
+    with pytest.raises(ValueError, match="expected"):
+        a.load(a.alloc(2), page)
+
+
+def test_a_page_of_merged_slots_reads_back_as_their_reconstruction():
+    a, s, k, v = _filled(n=8)
+    a.compress(s, Strategy(L, ((0, 1),)), [0] * L, MergeParams(retain=0.0, max_error=1.0))
+    page = a.export(s)
+    t = a.alloc(8)
+    assert a.load(t, page)
+    for l in range(L):
+        assert torch.equal(a.read(l, t)[0], a.read(l, s)[0])
+
+
+def test_an_unlike_pair_is_rejected_on_a_sample_and_a_like_one_still_merges():
+    n = 300                                     # over 2 * Arena.SAMPLE: the sample decides
+    a = Arena(n, L, n * L, H, D, torch.float32)
+    s = a.alloc(n)
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(n, H, D, generator=g)
+    for l in range(L):
+        own = torch.randn(n, H, D, generator=g)
+        kv = base * (1 + 0.1 * l) if l < 2 else own               # layers 0, 1: alike
+        a.write(l, s, kv, kv)
+    params = MergeParams(retain=0.0, max_error=0.2)
+    unlike = a.compress(s, Strategy(L, ((2, 3),)), [0] * L, params)
+    assert unlike.pairs_skipped == 1 and unlike.tokens_merged == 0
+    for l in (2, 3):
+        assert (a.map[l, s] >= 0).all()         # left exact
+    like = a.compress(s, Strategy(L, ((0, 1),)), [0] * L, params)
+    assert like.pairs_skipped == 0 and like.tokens_merged == n

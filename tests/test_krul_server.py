@@ -7,7 +7,7 @@ import pytest
 import requests
 
 from sgl_spec import boot
-from sgl_spec.bench.server import SPEC, ServerProcess
+from sgl_spec.bench.server import SPEC, ServerProcess, flush_cache
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(boot.cuda_host(), reason="Krul's host pool: CPU I/O only")]
@@ -80,16 +80,40 @@ def _demote_and_restore(server, model_path):
     return ids, again_ids, again_meta, totals, _krul(server.url)
 
 
-def test_demoted_conversation_is_stored_in_int8_and_restored(model_path, stats, tmp_path):
-    """Default flags: rows in int8 (0.516x of bf16), this model's unlike pairs left
-    unmerged; the restored prompt's greedy answer is the never-evicted one."""
-    with ServerProcess(SPEC, _args(model_path, stats),
+def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, stats, tmp_path):
+    """Default flags: K rows in int8 and V in 4 bits (0.39x of bf16), this model's unlike
+    pairs left unmerged; the restored prompt's greedy answer is the never-evicted one.
+    With the ``file`` storage backend (L3), the same compressed rows are the pages: after
+    the host tier is flushed the prompt comes back from storage, and a page with a
+    flipped byte is recomputed, not served."""
+    storage = tmp_path / "l3"
+    args = _args(model_path, stats) + ["--hicache-storage-backend", "file",
+                                       "--hicache-storage-prefetch-policy", "wait_complete"]
+    with ServerProcess(SPEC, args, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
                        log_path=str(tmp_path / "server.log")) as server:
         ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
+        first, _ = _prompts(model_path)
+        pages = sorted(storage.glob("*.bin"))
+        flush_cache(server.url)
+        l3_ids, l3_meta = _generate(server.url, first)
+        flush_cache(server.url)
+        for page in pages:                                # flip a byte of every page
+            data = bytearray(page.read_bytes())
+            data[len(data) // 2] ^= 1
+            page.write_bytes(bytes(data))
+        bad_ids, bad_meta = _generate(server.url, first)
+        refused = _krul(server.url)["refused_loads"]
+    # one token per page (--page-size 1): every layer's k8v4 row and an 8-byte checksum
+    assert len(pages) >= PROMPT_TOKENS // 2
+    assert {p.stat().st_size for p in pages} == {30 * (3 * 64 + 3 * 32 + 4 * 3) + 8}
+    assert (l3_meta.get("cached_tokens_details") or {}).get("storage", 0) > PROMPT_TOKENS // 2, l3_meta
+    assert l3_ids == ids
+    assert refused >= 1 and bad_meta["cached_tokens"] < 16, bad_meta
+    assert bad_ids == ids                             # recomputed, not loaded
     assert totals["nodes"] >= 1 and totals["tokens"] >= PROMPT_TOKENS - 32   # less the shared head
     assert totals["pairs_skipped"] >= totals["nodes"]
     ratio = totals["stored_bytes"] / totals["full_bytes"]
-    assert ratio == pytest.approx((3 * 64 + 2 * 3) / (2 * 3 * 64), abs=1e-3), totals
+    assert ratio == pytest.approx((3 * 64 + 3 * 32 + 4 * 3) / (2 * 3 * 64 * 2), abs=1e-3), totals
     # the demoted conversation's branch shows its compressed and full bytes
     assert any(f >= totals["full_bytes"] * 0.9 and s == pytest.approx(f * ratio, rel=0.01)
                for s, f in totals["branches"]), totals
@@ -104,7 +128,7 @@ def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_pat
     """--spec-krul-max-error 1 merges every pair Algorithm 1 chose, however unlike (this
     model's are: docs/design/krul.md §11); a stored byte flipped after the checksum
     (SGLSPEC_KRUL_CORRUPT) makes the load refused and the tokens recomputed."""
-    args = _args(model_path, stats) + ["--spec-krul-max-error", "1"]
+    args = _args(model_path, stats) + ["--spec-krul-max-error", "1", "--spec-krul-codec", "int8"]
     with ServerProcess(SPEC, args, env={"SGLSPEC_KRUL_CORRUPT": "1"},
                        log_path=str(tmp_path / "server.log")) as server:
         ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)

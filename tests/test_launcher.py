@@ -185,15 +185,18 @@ def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
     check_krul(cfg, rest)
     with pytest.raises(ValueError, match="add --enable-hierarchical-cache"):
         check_krul(cfg, [])
-    with pytest.raises(ValueError, match="valid: no --hicache-storage-backend"):
-        check_krul(cfg, [*rest, "--hicache-storage-backend", "file"])
-    assert cfg.krul.codec == "int8"
+    check_krul(cfg, [*rest, "--hicache-storage-backend", "file"])
+    with pytest.raises(ValueError, match="valid: file, or no --hicache-storage-backend"):
+        check_krul(cfg, [*rest, "--hicache-storage-backend", "mooncake"])
+    with pytest.raises(ValueError, match="valid: --page-size 1"):
+        check_krul(cfg, [*rest, "--hicache-storage-backend", "file", "--page-size", "16"])
+    assert cfg.krul.codec == "k8v4"
     cfg8, _ = split_argv(["--spec-krul", "--spec-krul-codec", "full"])
     assert cfg8.krul.codec == "full"
     with pytest.raises(SystemExit):
         split_argv(["--spec-krul", "--spec-krul-codec", "fp4"])
     with pytest.raises(ValueError, match="--spec-krul-codec 'fp4' is invalid; valid values: "
-                                         "int8, full"):
+                                         "k8v4, int8, full"):
         KrulConfig(enable=True, codec="fp4")
     with pytest.raises(ValueError, match="read only with --spec-krul"):
         KrulConfig(stats_path="x.json")

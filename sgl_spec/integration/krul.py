@@ -15,8 +15,9 @@ HiCache demotes a conversation.
 
 Step 2 of docs/design/krul.md: every stored row is loaded (nothing is left for a
 recompute pre-pass yet), and the strategy is the model's ("Krul (Fix)",
-``sgl_spec.krul.calibrate``) until the per-conversation estimator lands. L3 storage
-backends are refused until pages can carry compressed rows.
+``sgl_spec.krul.calibrate``) until the per-conversation estimator lands. An L3 storage
+backend on sglang's generic page path (``file``) stores the compressed rows as they are
+(``Arena.export``, with a checksum per page); zero-copy backends are refused.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_
 from sgl_spec import envs
 from sgl_spec.config import KrulConfig, current
 from sgl_spec.krul.arena import Arena, Compressed
+from sgl_spec.krul.codec import codec_class
 from sgl_spec.krul.merge import MergeParams
 from sgl_spec.krul.select import Strategy
 
@@ -45,15 +47,17 @@ class KrulHostPool(MHATokenToKVPoolHost):
     """MHATokenToKVPoolHost with logical slots over a shared row arena (layer_first
     layout, direct I/O: the CPU pair). ``available_size`` is in full-size tokens."""
 
-    slot_factor = 2  # logical slots per full-size token of budget: up to 0.5x stored
-
     def init_kv_buffer(self):
         if self.layout != "layer_first":
             raise ValueError(f"--spec-krul needs --hicache-mem-layout layer_first, got "
                              f"{self.layout!r}")
         budget = self.size * self.size_per_token
-        slots = self.slot_factor * self.size
         codec = current().krul.codec
+        # logical slots per full-size token of budget: as many as the codec's rows fit
+        full = codec_class("full").row_bytes_for(self.head_num, self.head_dim, self.dtype)
+        packed = codec_class(codec).row_bytes_for(self.head_num, self.head_dim, self.dtype)
+        self.slot_factor = max(2, -(-full // packed))
+        slots = self.slot_factor * self.size
         rows = Arena.rows_for_budget(budget, slots, self.layer_num, self.head_num,
                                      self.head_dim, self.dtype, codec)
         self.arena = Arena(slots, self.layer_num, rows, self.head_num, self.head_dim,
@@ -109,12 +113,31 @@ class KrulHostPool(MHATokenToKVPoolHost):
                  ) -> Compressed:
         return self.arena.compress(slots, strategy, [0] * self.layer_num, params)
 
-    def _no_pages(self, *args, **kwargs):
-        raise NotImplementedError("--spec-krul keeps compressed rows that sglang's storage "
-                                  "pages cannot carry yet; valid: no --hicache-storage-backend")
+    # Storage pages (sglang's generic page path: the ``file`` backend): a page is the
+    # slots' rows as the codec stores them, every layer, and a checksum (Arena.export).
+    def _page_slots(self, index: int) -> torch.Tensor:
+        return torch.arange(int(index), int(index) + self.page_size)
 
-    get_data_page = get_dummy_flat_data_page = set_from_flat_data_page = _no_pages
-    get_page_buffer_meta = get_split_heads_page_buffer_meta = _no_pages
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        with self.lock:
+            return self.arena.export(self._page_slots(index))
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.arena.page_bytes(self.page_size), dtype=torch.uint8)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        with self.lock:
+            ok = self.arena.load(self._page_slots(index), data_page)
+        if not ok:
+            logger.warning("sgl_spec krul: a storage page at host slot %d failed its "
+                           "checksum; a load that reaches it is refused (recomputed)", index)
+
+    def _no_zero_copy(self, *args, **kwargs):
+        raise NotImplementedError("--spec-krul pages are compressed rows that zero-copy "
+                                  "storage backends cannot address; valid: "
+                                  "--hicache-storage-backend file")
+
+    get_page_buffer_meta = get_split_heads_page_buffer_meta = _no_zero_copy
 
 
 def patch_host_pool(module) -> None:
@@ -252,7 +275,13 @@ class Compressor:
         while node is not None and node is not root:
             cd = node.component_data[BASE_COMPONENT_TYPE]
             hit = (node.spec.payloads or {}).get(KRUL)
-            if cd.value is None and cd.host_value is not None and hit is not None:
+            host_only = cd.value is None and cd.host_value is not None
+            if host_only and bool(pool.arena.damaged[cd.host_value.cpu().long()].any()):
+                logger.warning("sgl_spec krul: node %s came from a storage page that failed "
+                               "its checksum; its tokens are recomputed", node.id)
+                self.refused_loads += 1
+                return False
+            if host_only and hit is not None:
                 if not self._matches(pool, cd.host_value, hit[1]):
                     logger.warning("sgl_spec krul: node %s failed its checksum; its "
                                    "tokens are recomputed", node.id)

@@ -88,6 +88,7 @@ class Arena:
         self.map = torch.full((num_layers, num_slots), _FREE, dtype=torch.int64)
         self.mag_of = torch.full((num_layers, num_slots), -1, dtype=torch.int64)
         self.slots, self.rows, self.mags = _Stack(num_slots), _Stack(num_rows), _Stack(num_mags)
+        self.damaged = torch.zeros(num_slots, dtype=torch.bool)  # a storage page failed its sum
 
     @staticmethod
     def bytes_for(num_slots: int, num_layers: int, num_rows: int, num_heads: int,
@@ -119,6 +120,7 @@ class Arena:
         S, R, M = self.map.shape[1], self.k.shape[0], self.mag.shape[0]
         self.map.fill_(_FREE)
         self.mag_of.fill_(-1)
+        self.damaged.fill_(False)
         self.slots, self.rows, self.mags = _Stack(S), _Stack(R), _Stack(M)
 
     def available(self) -> int:
@@ -132,6 +134,7 @@ class Arena:
         slots = self.slots.pop(n)
         self.map[:, slots] = self.rows.pop(n * self.L).view(self.L, n)
         self.mag_of[:, slots] = -1
+        self.damaged[slots] = False
         return slots
 
     def free(self, slots: torch.Tensor) -> int:
@@ -148,6 +151,7 @@ class Arena:
         self.mags.push(self.mag_of[:, slots][self.mag_of[:, slots] >= 0])
         self.map[:, slots] = _FREE
         self.mag_of[:, slots] = -1
+        self.damaged[slots] = False
         self.slots.push(slots)
         return slots.numel()
 
@@ -209,6 +213,9 @@ class Arena:
             if start >= n:
                 continue
             s = slots[start:]
+            if not self._sample_alike(i, j, s, params):
+                skipped += 1
+                continue
             ri, rj = self.map[i, s], self.map[j, s]
             (ki, vi), (kj, vj) = self.store.get(ri), self.store.get(rj)
             keep = pair_retained(ki, kj, vi, vj, params.retain)
@@ -238,6 +245,21 @@ class Arena:
             retained += int(keep.sum())
         return Compressed(freed, merged, retained, skipped)
 
+    SAMPLE = 64
+
+    def _sample_alike(self, i: int, j: int, s: torch.Tensor, params: MergeParams) -> bool:
+        """Whether layers i and j merge within ``params.max_error`` on an even sample of
+        ``SAMPLE`` of the tokens: unlike pairs (all of these models', design §11) are
+        rejected without merging every token, off the next request's critical path."""
+        if len(s) <= 2 * self.SAMPLE:
+            return True
+        pick = s[torch.linspace(0, len(s) - 1, self.SAMPLE).long()]
+        (ki, vi), (kj, vj) = self.store.get(self.map[i, pick]), self.store.get(self.map[j, pick])
+        none = torch.zeros(len(pick), dtype=torch.bool)
+        km, vm = merge(ki, kj, params, none), merge(vi, vj, params, none)
+        return max(reconstruction_error(km, ki, kj),
+                   reconstruction_error(vm, vi, vj)) <= params.max_error
+
     def stored_bytes(self, slots: torch.Tensor) -> int:
         """Bytes the slots hold: own rows, each shared direction once, magnitudes."""
         m = self.map[:, slots.cpu().long()]
@@ -248,6 +270,49 @@ class Arena:
     def full_bytes(self, n: int) -> int:
         """What n tokens take in a stock host pool (every layer, K and V)."""
         return n * self.L * 2 * self.H * self.D * self.dtype.itemsize
+
+    # --- storage pages (an L3 backend such as sglang's ``file``) ---------------------------
+    def page_bytes(self, n: int) -> int:
+        """A page of n slots as ``export`` writes it: every layer's rows, then a checksum."""
+        return n * self.L * self.row_bytes + 8
+
+    def export(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots' rows at every layer as stored (merged entries re-encoded whole),
+        then an xxh3_64 of those bytes: a fixed-size flat uint8 page."""
+        slots = slots.cpu().long()
+        parts = []
+        for layer in range(self.L):
+            m = self.map[layer, slots]
+            if bool((m == UNSTORED).any()):
+                raise RuntimeError("krul: a storage page cannot hold unstored rows")
+            if bool((m >= 0).all()):
+                parts.append(self.store.raw_bytes(m))
+                continue
+            k, v, _ = self.read(layer, slots)
+            scratch = type(self.store)(len(slots), self.H, self.D, self.dtype)
+            idx = torch.arange(len(slots))
+            scratch.put(idx, k, v)
+            parts.append(scratch.raw_bytes(idx))
+        body = torch.cat(parts)
+        digest = xxhash.xxh3_64_digest(body.numpy().tobytes())
+        return torch.cat([body, torch.frombuffer(bytearray(digest), dtype=torch.uint8)])
+
+    def load(self, slots: torch.Tensor, page: torch.Tensor) -> bool:
+        """Inverse of ``export`` into freshly allocated slots; False (and the slots
+        marked ``damaged``, so a load refuses them) when the checksum fails."""
+        slots = slots.cpu().long()
+        page = page.reshape(-1).view(torch.uint8)
+        if page.numel() != self.page_bytes(len(slots)):
+            raise ValueError(f"a page of {page.numel()} bytes for {len(slots)} slots; "
+                             f"expected {self.page_bytes(len(slots))}")
+        body = page[:-8]
+        ok = xxhash.xxh3_64_digest(body.numpy().tobytes()) == page[-8:].numpy().tobytes()
+        per_layer = len(slots) * self.row_bytes
+        for layer in range(self.L):
+            self.store.put_raw_bytes(self.map[layer, slots],
+                                     body[layer * per_layer:(layer + 1) * per_layer])
+        self.damaged[slots] = not ok
+        return ok
 
     def checksum(self, slots: torch.Tensor) -> int:
         """xxh3_64 of what the slots store, in token and layer order (row numbers do

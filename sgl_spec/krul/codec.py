@@ -5,7 +5,9 @@ A registry of row codecs (``CODECS``, ``codec_class(name)``; ``--spec-krul-codec
 * ``full``: the pool's dtype as it is, what stock's host pool holds (1.0x);
 * ``int8``: per-token, per-head symmetric int8 with a bf16 scale (``krul.quant``; its
   reference is ``quant.quantize_ref``): H*D + 2*H bytes for each of K and V, 0.516x of
-  bf16 at head_dim 64, about 1% relative error on real KV (docs/design/krul.md §11).
+  bf16 at head_dim 64, about 1% relative error on real KV (docs/design/krul.md §11);
+* ``k8v4``: keys as ``int8``, values at 4 bits (two to a byte) with a bf16 scale per
+  token and head: 0.39x of bf16 at head_dim 64 (docs/design/krul.md §13).
 
 Merged pairs (``krul.merge``) store their shared direction through the same codec, so
 the two savings multiply. A store is a fixed set of CPU tensors; rows are int64 ids.
@@ -18,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from .quant import Int8Rows, dequantize, quantize
+from .quant import QuantRows, dequantize, quantize
 
 
 class RowStore(ABC):
@@ -47,8 +49,32 @@ class RowStore(ABC):
         """K, V of ``rows`` as [n, H, D] in ``dtype``."""
 
     @abstractmethod
+    def buffers(self) -> list[torch.Tensor]:
+        """The stored tensors, each [num_rows, ...] (codes, then scales, for K then V)."""
+
     def raw(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """What ``rows`` hold, as stored (checksums read these bytes)."""
+        """What ``rows`` hold, as stored (checksums and storage pages read these bytes)."""
+        return [b[rows] for b in self.buffers()]
+
+    def put_raw(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Store what ``raw`` returned for other rows (a storage page read back)."""
+        for b, part in zip(self.buffers(), parts, strict=True):
+            b[rows] = part
+
+    def raw_bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        """``raw(rows)`` as one flat uint8 tensor (each buffer in turn)."""
+        return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in self.raw(rows)])
+
+    def put_raw_bytes(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """Inverse of ``raw_bytes`` for ``len(rows)`` rows."""
+        n, at, parts = len(rows), 0, []
+        for b in self.buffers():
+            size = n * b[0].numel() * b.element_size()
+            parts.append(data[at:at + size].view(b.dtype).view(n, *b.shape[1:]))
+            at += size
+        if at != data.numel():
+            raise ValueError(f"{data.numel()} bytes for {n} rows of {self.row_bytes}")
+        self.put_raw(rows, parts)
 
 
 class FullStore(RowStore):
@@ -70,38 +96,61 @@ class FullStore(RowStore):
     def get(self, rows):
         return self.k[rows], self.v[rows]
 
-    def raw(self, rows):
-        return [self.k[rows], self.v[rows]]
+    def buffers(self):
+        return [self.k, self.v]
 
 
-class Int8Store(RowStore):
-    name = "int8"
+class QuantStore(RowStore):
+    """K and V each as per-token, per-head symmetric ints with a bf16 scale
+    (``krul.quant``) at ``k_bits`` / ``v_bits`` (8, or 4 packed two to a byte)."""
+
+    k_bits: ClassVar[int]
+    v_bits: ClassVar[int]
 
     def __init__(self, num_rows, num_heads, head_dim, dtype):
         super().__init__(num_rows, num_heads, head_dim, dtype)
-        self.k = torch.empty(num_rows, num_heads, head_dim, dtype=torch.int8)
-        self.v = torch.empty_like(self.k)
+        self.k = self._codes(num_rows, num_heads, head_dim, self.k_bits)
+        self.v = self._codes(num_rows, num_heads, head_dim, self.v_bits)
         self.k_scale = torch.empty(num_rows, num_heads, dtype=torch.bfloat16)
         self.v_scale = torch.empty_like(self.k_scale)
 
+    @staticmethod
+    def _codes(n, h, d, bits):
+        if bits == 4:
+            if d % 2:
+                raise ValueError(f"4-bit rows need an even head_dim, not {d}")
+            return torch.empty(n, h, d // 2, dtype=torch.uint8)
+        return torch.empty(n, h, d, dtype=torch.int8)
+
     @classmethod
     def row_bytes_for(cls, num_heads, head_dim, dtype):
-        return 2 * (num_heads * head_dim + 2 * num_heads)
+        return sum(num_heads * head_dim * b // 8 + 2 * num_heads for b in (cls.k_bits, cls.v_bits))
 
     def put(self, rows, k, v):
-        for x, q, s in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-            r = quantize(x)
+        for x, q, s, b in ((k, self.k, self.k_scale, self.k_bits), (v, self.v, self.v_scale, self.v_bits)):
+            r = quantize(x, b)
             q[rows], s[rows] = r.q, r.scale
 
     def get(self, rows):
-        return (dequantize(Int8Rows(self.k[rows], self.k_scale[rows]), self.dtype),
-                dequantize(Int8Rows(self.v[rows], self.v_scale[rows]), self.dtype))
+        return (dequantize(QuantRows(self.k[rows], self.k_scale[rows], self.k_bits), self.dtype),
+                dequantize(QuantRows(self.v[rows], self.v_scale[rows], self.v_bits), self.dtype))
 
-    def raw(self, rows):
-        return [self.k[rows], self.k_scale[rows], self.v[rows], self.v_scale[rows]]
+    def buffers(self):
+        return [self.k, self.k_scale, self.v, self.v_scale]
 
 
-CODECS: dict[str, type[RowStore]] = {c.name: c for c in (FullStore, Int8Store)}
+class Int8Store(QuantStore):
+    name, k_bits, v_bits = "int8", 8, 8
+
+
+class K8V4Store(QuantStore):
+    """Keys at 8 bits (they set the softmax, and their channels have outliers), values at
+    4: a value's error is averaged over the attended tokens (KIVI keeps V per token too)."""
+
+    name, k_bits, v_bits = "k8v4", 8, 4
+
+
+CODECS: dict[str, type[RowStore]] = {c.name: c for c in (FullStore, Int8Store, K8V4Store)}
 
 
 def codec_class(name: str) -> type[RowStore]:

@@ -224,6 +224,21 @@ def patch_pool_host_mha(module) -> None:
             continue  # a real kernel is bound: leave it
         op = transfer_kv_direct if name == "transfer_kv_direct" else None
         setattr(module, name, op or _unavailable_on_cpu(name))
+    # Storage pages (an L3 backend such as ``file``) are read into fresh host tensors made
+    # with the pool's ``pin_memory`` (True by default), which torch refuses without an
+    # accelerator: such pools stop asking for pinned memory once built.
+    for cls in (module.MHATokenToKVPoolHost, module.MHATokenToKOnlyPoolHost):
+        if getattr(cls, "_sgl_spec_unpinned", False):
+            continue
+        init = cls.__init__
+
+        def __init__(self, *args, _init=init, **kwargs):
+            _init(self, *args, **kwargs)
+            if not torch.cuda.is_available():
+                self.pin_memory = False
+
+        cls.__init__ = __init__
+        cls._sgl_spec_unpinned = True
 
 
 def patch_cache_controller(module) -> None:

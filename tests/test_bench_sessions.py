@@ -1,0 +1,95 @@
+"""The many-sessions workload (``sgl_spec.bench.sessions``): what it sends and how it
+classifies and sums a follow-up. The server rows are a benchmark, not a test."""
+
+from __future__ import annotations
+
+import pytest
+
+from sgl_spec.bench import sessions
+from sgl_spec.bench.dataset import POSITIONS
+
+
+@pytest.fixture(scope="module")
+def sess(hf_tok):
+    return sessions.sessions(hf_tok, 4, 400, seed=0)
+
+
+def test_documents_hold_three_facts_at_begin_middle_and_end(sess, hf_tok):
+    for s in sess:
+        at = [s.document.index(f.sentence) / len(s.document) for f in s.facts]
+        assert at[0] < 0.2 and 0.35 < at[1] < 0.65 and at[2] > 0.8, at
+        assert 350 <= len(hf_tok.encode(s.document)) <= 450
+        assert len({f.value for f in s.facts}) == 3
+    assert len({s.document for s in sess}) == 4
+
+
+def test_plan_opens_every_session_then_revisits_each_twice_in_order(sess):
+    order = sessions.plan(sess, seed=0)
+    assert order[:4] == [(i, 0) for i in range(4)]
+    revisits = order[4:]
+    assert sorted(revisits) == sorted((i, v) for i in range(4) for v in (1, 2))
+    for i in range(4):
+        assert revisits.index((i, 1)) < revisits.index((i, 2))
+    assert revisits != sorted(revisits)                  # shuffled
+    for s in sess:                                       # every position asked once
+        assert sorted(sessions.asked(s, v) for v in range(3)) == [0, 1, 2]
+
+
+def test_a_revisit_extends_the_previous_prompt_with_the_gold_answer(sess, hf_tok):
+    s = sess[1]
+    m2 = sessions.messages(s, 2)
+    assert [m["role"] for m in m2] == ["user", "assistant", "user", "assistant", "user"]
+    assert m2[:3] == sessions.messages(s, 1)[:3]
+    assert m2[1]["content"] == s.facts[sessions.asked(s, 0)].value
+    assert s.document in m2[0]["content"] and s.document not in m2[2]["content"]
+    prev, now = (hf_tok.apply_chat_template(sessions.messages(s, v), tokenize=False,
+                                            add_generation_prompt=True) for v in (1, 2))
+    assert now.startswith(prev)      # a cached previous prompt is a prefix of this one
+    assert sessions.n_tokens(hf_tok, sessions.messages(s, 1)) < sessions.n_tokens(hf_tok, m2)
+
+
+@pytest.mark.parametrize("meta,history,source", [
+    ({"cached_tokens": 0}, 0, "new"),
+    ({"cached_tokens": 40}, 500, "recomputed"),
+    ({"cached_tokens": 500, "cached_tokens_details": {"device": 500}}, 500, "device"),
+    ({"cached_tokens": 500, "cached_tokens_details": {"device": 20, "host": 480}}, 500, "host"),
+    ({"cached_tokens": 495, "cached_tokens_details": {"storage": 490}}, 500, "storage"),
+])
+def test_a_follow_up_is_classified_by_where_its_history_came_from(meta, history, source):
+    assert sessions._source(meta, history) == source
+
+
+def _answer(session, visit, pos, source, ttft, correct, text="x"):
+    return {"session": session, "visit": visit, "position": pos, "prompt_tokens": 1,
+            "ttft_s": ttft, "cached": 0, "source": source, "text": text, "correct": correct}
+
+
+def test_summary_counts_restored_conversations_and_splits_ttft_by_tier():
+    ref = [_answer("s0", 0, "begin", "new", 9, True), _answer("s0", 1, "middle", "host", 1, True),
+           _answer("s1", 1, "end", "recomputed", 8, False),
+           _answer("s1", 2, "begin", "device", 0.5, True)]
+    row = [dict(a) for a in ref]
+    row[1]["text"] = "y"
+    out = sessions.summarize({"reference": {"answers": ref, "krul_branches": []},
+                              "krul": {"answers": row, "krul_branches": [(39, 100), (41, 100)]}},
+                             ref)
+    k = out["krul"]
+    assert k["conversations_restored"] == 1                  # s0's first revisit only
+    assert k["sources"] == {"device": 1, "host": 1, "storage": 0, "recomputed": 1}
+    assert k["ttft_host_s"] == 1 and k["ttft_recomputed_s"] == 8 and k["ttft_device_s"] == 0.5
+    assert k["greedy_agreement"] == pytest.approx(2 / 3)      # follow-ups only
+    assert k["em_by_position"] == {"begin": 1.0, "middle": 1.0, "end": 0.0}
+    assert set(k["em_by_position"]) == set(POSITIONS)
+    assert k["krul_stored_over_full"] == pytest.approx(0.4)
+    assert out["reference"]["krul_stored_over_full"] is None
+
+
+def test_rows_differ_only_in_their_cache_flags():
+    flags = {r: sessions.row_args(r, "M", 1000, 2.0, 9000)[0] for r in sessions.ROWS}
+    assert all(f[:7] == flags["recompute"][:7] for f in flags.values())
+    assert "--enable-hierarchical-cache" not in flags["recompute"]
+    assert flags["reference"][-1] == "9000"
+    assert "--spec-krul" in flags["krul"] and "file" in flags["krul+file"]
+    assert flags["krul-int8"][-2:] == ["--spec-krul-codec", "int8"]
+    with pytest.raises(ValueError, match="valid: reference"):
+        sessions.row_args("lmcache", "M", 1000, 2.0, 9000)
