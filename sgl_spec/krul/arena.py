@@ -277,23 +277,27 @@ class Arena:
         return n * self.L * self.row_bytes + 8
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
-        """The slots' rows at every layer as stored (merged entries re-encoded whole),
-        then an xxh3_64 of those bytes: a fixed-size flat uint8 page."""
+        """The slots' rows at every layer (layer-major) as stored, merged entries re-encoded
+        whole, then an xxh3_64 of those bytes: a fixed-size flat uint8 page."""
         slots = slots.cpu().long()
-        parts = []
-        for layer in range(self.L):
-            m = self.map[layer, slots]
-            if bool((m == UNSTORED).any()):
-                raise RuntimeError("krul: a storage page cannot hold unstored rows")
-            if bool((m >= 0).all()):
-                parts.append(self.store.raw_bytes(m))
-                continue
-            k, v, _ = self.read(layer, slots)
-            scratch = type(self.store)(len(slots), self.H, self.D, self.dtype)
-            idx = torch.arange(len(slots))
-            scratch.put(idx, k, v)
-            parts.append(scratch.raw_bytes(idx))
-        body = torch.cat(parts)
+        m = self.map[:, slots]
+        if bool((m == UNSTORED).any()):
+            raise RuntimeError("krul: a storage page cannot hold unstored rows")
+        if bool((m >= 0).all()):
+            body = self.store.row_bytes_of(m.reshape(-1))
+        else:
+            parts = []
+            for layer in range(self.L):
+                if bool((m[layer] >= 0).all()):
+                    parts.append(self.store.row_bytes_of(m[layer]))
+                    continue
+                k, v, _ = self.read(layer, slots)
+                scratch = type(self.store)(len(slots), self.H, self.D, self.dtype)
+                idx = torch.arange(len(slots))
+                scratch.put(idx, k, v)
+                parts.append(scratch.row_bytes_of(idx))
+            body = torch.cat(parts)
+        body = body.reshape(-1)
         digest = xxhash.xxh3_64_digest(body.numpy().tobytes())
         return torch.cat([body, torch.frombuffer(bytearray(digest), dtype=torch.uint8)])
 
@@ -307,10 +311,7 @@ class Arena:
                              f"expected {self.page_bytes(len(slots))}")
         body = page[:-8]
         ok = xxhash.xxh3_64_digest(body.numpy().tobytes()) == page[-8:].numpy().tobytes()
-        per_layer = len(slots) * self.row_bytes
-        for layer in range(self.L):
-            self.store.put_raw_bytes(self.map[layer, slots],
-                                     body[layer * per_layer:(layer + 1) * per_layer])
+        self.store.put_row_bytes(self.map[:, slots].reshape(-1), body.view(-1, self.row_bytes))
         self.damaged[slots] = not ok
         return ok
 

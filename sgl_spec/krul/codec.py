@@ -18,6 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from .quant import QuantRows, dequantize, quantize
@@ -61,20 +62,27 @@ class RowStore(ABC):
         for b, part in zip(self.buffers(), parts, strict=True):
             b[rows] = part
 
-    def raw_bytes(self, rows: torch.Tensor) -> torch.Tensor:
-        """``raw(rows)`` as one flat uint8 tensor (each buffer in turn)."""
-        return torch.cat([t.contiguous().view(torch.uint8).reshape(-1) for t in self.raw(rows)])
+    def _bytes(self) -> list:
+        """Each buffer as a numpy uint8 [num_rows, bytes] view (storage pages are often one
+        token: numpy's indexing costs a fraction of torch's per-op overhead there)."""
+        if not hasattr(self, "_np"):
+            self._np = [b.view(torch.uint8).reshape(b.shape[0], -1).numpy() for b in self.buffers()]
+        return self._np
 
-    def put_raw_bytes(self, rows: torch.Tensor, data: torch.Tensor) -> None:
-        """Inverse of ``raw_bytes`` for ``len(rows)`` rows."""
-        n, at, parts = len(rows), 0, []
-        for b in self.buffers():
-            size = n * b[0].numel() * b.element_size()
-            parts.append(data[at:at + size].view(b.dtype).view(n, *b.shape[1:]))
-            at += size
-        if at != data.numel():
-            raise ValueError(f"{data.numel()} bytes for {n} rows of {self.row_bytes}")
-        self.put_raw(rows, parts)
+    def row_bytes_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """What ``rows`` hold as one uint8 row each, [n, row_bytes] (each buffer in turn)."""
+        idx = rows.numpy()
+        return torch.from_numpy(np.concatenate([b[idx] for b in self._bytes()], axis=1))
+
+    def put_row_bytes(self, rows: torch.Tensor, data: torch.Tensor) -> None:
+        """Inverse of ``row_bytes_of``: ``data`` [n, row_bytes] into ``rows``."""
+        n = len(rows)
+        if tuple(data.shape) != (n, self.row_bytes):
+            raise ValueError(f"{tuple(data.shape)} bytes for {n} rows of {self.row_bytes}")
+        idx, src, at = rows.numpy(), data.numpy(), 0
+        for b in self._bytes():
+            b[idx] = src[:, at:at + b.shape[1]]
+            at += b.shape[1]
 
 
 class FullStore(RowStore):
