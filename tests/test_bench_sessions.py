@@ -85,7 +85,7 @@ def test_summary_counts_restored_conversations_and_splits_ttft_by_tier():
 
 
 def test_rows_differ_only_in_their_cache_flags():
-    flags = {r: sessions.row_args(r, "M", 1000, 2.0, 9000)[0] for r in sessions.ROWS}
+    flags = {r: sessions.row_args(r, "M", 1000, 2.0, 9000) for r in sessions.ROWS}
     assert all(f[:7] == flags["recompute"][:7] for f in flags.values())
     assert "--enable-hierarchical-cache" not in flags["recompute"]
     assert flags["reference"][-1] == "9000"

@@ -169,31 +169,24 @@ def ask(url: str, prompt: str) -> tuple[str, float, dict]:
     return text, ttft if ttft is not None else time.perf_counter() - t0, meta
 
 
+STORAGE = ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete"]
+KRUL = ["--spec-krul"]
+
+
 def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
-             total_tokens: int) -> tuple[list[str], dict]:
-    """Server flags and environment of a row."""
+             total_tokens: int) -> list[str]:
+    """Server flags of a row: the same model and mode, only the cache flags differ."""
+    hicache = HICACHE + ["--hicache-ratio", f"{host_ratio:.3f}"]
+    cache = {"recompute": [], "hicache": hicache, "hicache+file": hicache + STORAGE,
+             "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
+             "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"]}
     base = ["--model-path", model, "--enable-cache-report", "--sleep-on-idle",
             "--spec-mode", "exact"]
     if row == "reference":
-        return base + ["--max-total-tokens", str(total_tokens)], {}
-    small = base + ["--max-total-tokens", str(device_tokens)]
-    hicache = HICACHE + ["--hicache-ratio", f"{host_ratio:.3f}"]
-    if row == "recompute":
-        return small, {}
-    if row == "hicache":
-        return small + hicache, {}
-    if row == "hicache+file":
-        return small + hicache + ["--hicache-storage-backend", "file",
-                                  "--hicache-storage-prefetch-policy", "wait_complete"], {}
-    storage = ["--hicache-storage-backend", "file",
-               "--hicache-storage-prefetch-policy", "wait_complete"]
-    if row == "krul":
-        return small + hicache + ["--spec-krul"], {}
-    if row == "krul+file":
-        return small + hicache + storage + ["--spec-krul"], {}
-    if row == "krul-int8":
-        return small + hicache + ["--spec-krul", "--spec-krul-codec", "int8"], {}
-    raise ValueError(f"unknown row {row!r}; valid: {', '.join(ROWS)}")
+        return base + ["--max-total-tokens", str(total_tokens)]
+    if row not in cache:
+        raise ValueError(f"unknown row {row!r}; valid: {', '.join(ROWS)}")
+    return base + ["--max-total-tokens", str(device_tokens)] + cache[row]
 
 
 def _krul_branches(url: str) -> list[tuple[int, int]]:
@@ -205,10 +198,10 @@ def _krul_branches(url: str) -> list[tuple[int, int]]:
 
 def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_dir: str,
              bar) -> dict:
-    flags, env = row_args(row, model, args.device_tokens, args.host_ratio,
-                          total_tokens=len(sess) * (args.doc_tokens + 400) + 2048)
+    flags = row_args(row, model, args.device_tokens, args.host_ratio,
+                     total_tokens=len(sess) * (args.doc_tokens + 400) + 2048)
     storage = tempfile.mkdtemp(prefix="sgl-spec-sessions-")
-    env = {**env, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage}
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage}
     answers: list[Answer] = []
     branches: list[tuple[int, int]] = []
     try:

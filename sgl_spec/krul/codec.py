@@ -57,11 +57,6 @@ class RowStore(ABC):
         """What ``rows`` hold, as stored (checksums and storage pages read these bytes)."""
         return [b[rows] for b in self.buffers()]
 
-    def put_raw(self, rows: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        """Store what ``raw`` returned for other rows (a storage page read back)."""
-        for b, part in zip(self.buffers(), parts, strict=True):
-            b[rows] = part
-
     def _bytes(self) -> list:
         """Each buffer as a numpy uint8 [num_rows, bytes] view (storage pages are often one
         token: numpy's indexing costs a fraction of torch's per-op overhead there)."""
