@@ -100,3 +100,18 @@ def stock_server(model_path, tmp_path_factory):
         log_path=_log_path(tmp_path_factory, "stock"),
     ) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def loopserve_server(model_path, tmp_path_factory):
+    """One LoopServe server for the decode and the prefill tests (a server start is
+    ~40 s on 2 cores): decode budget 4096 from context 0, so every history is covered
+    and decode is exact mode's token for token; sparse prefill of extends from 600
+    tokens at alpha 0.98 (the paper's 0.955 loses planted facts on this 135M model), so
+    shorter prompts prefill exactly."""
+    flags = ["--model-path", model_path, *COMMON_FLAGS,
+             "--spec-mode", "loopserve", "--spec-budget", "4096", "--spec-min-context", "0",
+             "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "600",
+             "--spec-prefill-alpha", "0.98"]
+    with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "loopserve")) as server:
+        yield server

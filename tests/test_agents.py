@@ -84,7 +84,9 @@ def test_config_rejects_bad_sub_question_count(n):
 
 @pytest.mark.server
 def test_agent_end_to_end(spec_server):
-    result = run_research(spec_server.url, load_document(None),
+    # Shorter generations than the CLI's defaults (CPU time); the calls are the same.
+    config = AgentConfig(answer_tokens=32, report_tokens=64, follow_up_tokens=32)
+    result = run_research(spec_server.url, load_document(None), config=config,
                           follow_up="Which function removes common leading whitespace?")
 
     # Fork/join happened: one non-empty answer per sub-question, then a report.
@@ -115,7 +117,8 @@ def test_agent_end_to_end(spec_server):
 def test_agent_cli_json(spec_server):
     out = subprocess.run(
         [sys.executable, "-m", "sgl_spec.agents.research_assistant",
-         "--port", str(spec_server.port), "--sub-questions", "2", "--json"],
+         "--port", str(spec_server.port), "--sub-questions", "2", "--max-doc-chars", "2000",
+         "--json"],
         capture_output=True, text=True, timeout=1200, env=dict(os.environ),
     )
     assert out.returncode == 0, out.stderr[-3000:]

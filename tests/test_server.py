@@ -125,11 +125,13 @@ def test_greedy_equals_stock(stock_server, spec_server, index):
 
 
 def test_greedy_equals_stock_batched(stock_server, spec_server):
-    """All five prompts in one request: a ragged batch through extend and decode."""
-    stock = generate(stock_server.url, PROMPTS)
-    spec = generate(spec_server.url, PROMPTS)
-    assert len(stock) == len(spec) == len(PROMPTS)
-    for prompt, a, b in zip(PROMPTS, stock, spec):
+    """The four shorter prompts in one request: a ragged batch through extend and
+    decode (the longest is checked alone above)."""
+    prompts = PROMPTS[:4]
+    stock = generate(stock_server.url, prompts)
+    spec = generate(spec_server.url, prompts)
+    assert len(stock) == len(spec) == len(prompts)
+    for prompt, a, b in zip(prompts, stock, spec):
         assert_same_greedy(stock_server.url, prompt, a, b)
 
 

@@ -1,16 +1,15 @@
 """LoopServe sparse prefill on a real server: a long prompt with a planted fact takes
 the sparse path and answers like exact mode; a short prompt is exact mode's, token
-for token. One server at a time (2-core machines): the exact reference first."""
+for token. The LoopServe server is the session's (conftest), shared with the
+sparse decode tests."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
-from conftest import COMMON_FLAGS, _log_path
 from sgl_spec import corpus
 from sgl_spec.bench.dataset import Fact
-from sgl_spec.bench.server import SPEC, ServerProcess
 
 QUESTION = "What is the capital of France?"
 FACT = Fact(turn=0, colour="golden", object="lighthouse", kind="number", value="4817")
@@ -55,19 +54,15 @@ def delta(after: dict, before: dict, key: str) -> float:
 class TestSparsePrefill:
     @pytest.fixture(scope="class")
     @classmethod
-    def servers(cls, model_path, hf_tok, spec_server, tmp_path_factory):
+    def servers(cls, hf_tok, spec_server, loopserve_server):
+        """The shared LoopServe server (conftest: sparse prefill from 600 new tokens at
+        alpha 0.98, decode covered by its budget) and the exact reference from the
+        session's exact server, both caches flushed first."""
         prompts = {"long": long_prompt(hf_tok), "short": chatml(QUESTION)}
-        flags = ["--model-path", model_path, *COMMON_FLAGS]
-        # The exact reference from the session's exact server, its cache flushed first.
-        requests.post(f"{spec_server.url}/flush_cache", timeout=60).raise_for_status()
+        for server in (spec_server, loopserve_server):
+            requests.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
         reference = {k: generate(spec_server.url, p, 24) for k, p in prompts.items()}
-        # Alpha 0.98: the paper's default 0.955 loses planted facts on this 135M model
-        # (README, harness rows), so an answer-equality check needs the kept-accuracy alpha.
-        sparse = flags + ["--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "256",
-                          "--spec-prefill-alpha", "0.98"]
-        with ServerProcess(SPEC, sparse,
-                           log_path=_log_path(tmp_path_factory, "loopserve-prefill")) as s:
-            yield s, prompts, reference
+        return loopserve_server, prompts, reference
 
     def test_long_prompt_prefills_sparse_and_answers_like_exact(self, servers):
         server, prompts, reference = servers
@@ -99,7 +94,7 @@ class TestSparsePrefill:
         cache = requests.get(server.url + "/sgl_spec/cache", timeout=30).json()
         assert cache["tree_core"] == "tagged" and cache["eviction_policy"] == "lru"
         first = generate(server.url, prompts["long"], 8)
-        follow_up = corpus.document(hf_tok, 400, seed=12)
+        follow_up = corpus.document(hf_tok, 650, seed=12)  # >= 600 new tokens
         second = (prompts["long"] + first["text"] + "<|im_end|>\n"
                   + chatml(f"{follow_up}\n\nWhat was the secret number?"))
         before = extends(server.url)

@@ -96,7 +96,7 @@ def test_endpoint_reports_frontend_rounds(spec_server, hf_tok, max_tokens):
 
 # ---- a reasoning-style conversation under --spec-cache-eviction turn -----------
 
-POOL = 2048
+POOL = 1024
 
 
 @pytest.fixture(scope="module")
