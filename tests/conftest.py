@@ -1,4 +1,5 @@
-"""Shared fixtures: real sglang servers started once per test session.
+"""Shared fixtures: real sglang servers started once per test session (launched
+right after collection, so they boot while the unit tests run).
 
 With ``SGLSPEC_TEST_BLOCK_SGLANG=1`` every ``import sglang...`` in this process fails
 (``tests/test_no_sglang.py`` runs the sglang-free modules' tests that way).
@@ -80,38 +81,86 @@ def _log_path(tmp_path_factory, name: str) -> str:
     return os.path.join(str(tmp_path_factory.mktemp("logs")), f"{name}.log")
 
 
-@pytest.fixture(scope="session")
-def spec_server(model_path, tmp_path_factory):
+# ---- the session's shared servers ------------------------------------------------
+# Built by name; launched as soon as collection shows a selected test needs them
+# (pytest_collection_finish), so that they boot (~40 s each on 2 cores, mostly
+# single-threaded imports) while the unit tests run, which go first (below).
+
+def _spec_flags(model_path: str) -> list[str]:
     """sgl_spec.launch_server, exact mode, with the sgl_spec defaults."""
-    with ServerProcess(
-        SPEC,
-        ["--model-path", model_path, *COMMON_FLAGS],
-        log_path=_log_path(tmp_path_factory, "spec"),
-    ) as server:
-        yield server
+    return ["--model-path", model_path, *COMMON_FLAGS]
 
 
-@pytest.fixture(scope="session")
-def stock_server(model_path, tmp_path_factory):
+def _stock_flags(model_path: str) -> list[str]:
     """Stock sglang.launch_server with torch_native attention (what CPU users run)."""
-    with ServerProcess(
-        STOCK,
-        ["--model-path", model_path, *configset.LAUNCHERS["stock"].flags, *COMMON_FLAGS],
-        log_path=_log_path(tmp_path_factory, "stock"),
-    ) as server:
+    return ["--model-path", model_path, *configset.LAUNCHERS["stock"].flags, *COMMON_FLAGS]
+
+
+def _loopserve_flags(model_path: str) -> list[str]:
+    """LoopServe for the decode and the prefill tests: decode budget 4096 from context
+    0, so every history is covered and decode is exact mode's token for token; sparse
+    prefill of extends from 600 tokens at alpha 0.98 (the paper's 0.955 loses planted
+    facts on this 135M model), so shorter prompts prefill exactly."""
+    return ["--model-path", model_path, *COMMON_FLAGS,
+            "--spec-mode", "loopserve", "--spec-budget", "4096", "--spec-min-context", "0",
+            "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "600",
+            "--spec-prefill-alpha", "0.98"]
+
+
+SESSION_SERVERS = {  # fixture name -> (launcher, flags)
+    "spec_server": (SPEC, _spec_flags),
+    "stock_server": (STOCK, _stock_flags),
+    "loopserve_server": (SPEC, _loopserve_flags),
+}
+_launched: dict[str, ServerProcess] = {}
+
+
+def pytest_collection_modifyitems(items):
+    """Unit tests first, then the tests that start servers (each group in its
+    collected order): the shared servers boot during the first group."""
+    items.sort(key=lambda item: item.get_closest_marker("server") is not None)
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly or os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG"):
+        return
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    wanted = [name for name in SESSION_SERVERS if name in used]
+    if wanted:
+        from sgl_spec.prepare_model import prepare
+
+        model = prepare()
+        logs = session.config._tmp_path_factory.mktemp("logs")
+        for name in wanted:
+            module, flags = SESSION_SERVERS[name]
+            _launched[name] = ServerProcess(module, flags(model),
+                                            log_path=str(logs / f"{name}.log")).launch()
+
+
+def pytest_sessionfinish(session):
+    for server in _launched.values():  # launched, never used (their tests failed early)
+        server.stop()
+
+
+def _session_server(name: str, model_path: str):
+    module, flags = SESSION_SERVERS[name]
+    with _launched.pop(name, None) or ServerProcess(module, flags(model_path)) as server:
         yield server
 
 
 @pytest.fixture(scope="session")
-def loopserve_server(model_path, tmp_path_factory):
-    """One LoopServe server for the decode and the prefill tests (a server start is
-    ~40 s on 2 cores): decode budget 4096 from context 0, so every history is covered
-    and decode is exact mode's token for token; sparse prefill of extends from 600
-    tokens at alpha 0.98 (the paper's 0.955 loses planted facts on this 135M model), so
-    shorter prompts prefill exactly."""
-    flags = ["--model-path", model_path, *COMMON_FLAGS,
-             "--spec-mode", "loopserve", "--spec-budget", "4096", "--spec-min-context", "0",
-             "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "600",
-             "--spec-prefill-alpha", "0.98"]
-    with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "loopserve")) as server:
-        yield server
+def spec_server(model_path):
+    """sgl_spec.launch_server, exact mode, with the sgl_spec defaults."""
+    yield from _session_server("spec_server", model_path)
+
+
+@pytest.fixture(scope="session")
+def stock_server(model_path):
+    """Stock sglang.launch_server with torch_native attention (what CPU users run)."""
+    yield from _session_server("stock_server", model_path)
+
+
+@pytest.fixture(scope="session")
+def loopserve_server(model_path):
+    """One LoopServe server for the sparse decode and prefill tests (_loopserve_flags)."""
+    yield from _session_server("loopserve_server", model_path)

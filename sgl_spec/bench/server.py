@@ -95,6 +95,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ServerProcess":
+        """Launch (unless ``launch`` already did) and wait until healthy."""
+        if self.proc is None:
+            self.launch()
+        self._wait_healthy()
+        threading.Thread(target=self._sample_memory, daemon=True).start()
+        return self
+
+    def launch(self) -> "ServerProcess":
+        """Start the process and return at once; ``start`` waits for it. A caller
+        with other work to do (a test session's unit tests) lets it boot meanwhile."""
         if not self.port:
             self.port = free_port()
         self._prepare_head()
@@ -112,8 +122,6 @@ class ServerProcess:
                 start_new_session=True, stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
             )
-        self._wait_healthy()
-        threading.Thread(target=self._sample_memory, daemon=True).start()
         return self
 
     def _prepare_head(self) -> None:
