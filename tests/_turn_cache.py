@@ -26,6 +26,30 @@ def build(kind: str, size: int, fmt: TurnFormat | None = FMT, eviction: str = "l
     return build_cache(kind, size, fmt, cfg, tree_core)
 
 
+def write_back(cache):
+    """HiCache's write-back policy without a host pool: the cache's backup step
+    commits fresh host slot numbers (what a D->H copy would return), so eviction
+    backs victims up and then demotes them, as sglang's cache does."""
+    next_slot = [1 << 20]
+
+    def backup(action, write_back: bool = False) -> int:
+        written = 0
+        for node_id in action.node_ids:
+            device, xfers = cache.tree_core.build_backup_spec(node_id)
+            if device.numel() == 0 and not xfers:
+                continue
+            host = torch.arange(next_slot[0], next_slot[0] + len(device), dtype=torch.int64)
+            next_slot[0] += len(device)
+            cache.tree_core.commit_backup(node_id, host, xfers)
+            written = len(host)
+        return written
+
+    cache._execute_and_commit_kv_backup = backup
+    cache.writing_check = lambda write_back=False: None
+    cache.is_write_back = True
+    return cache
+
+
 def match(cache, tokens) -> tuple[int, object]:
     m = cache.match_prefix(MatchPrefixParams(key=key(tokens)))
     return m.device_prefix_len, m

@@ -20,6 +20,7 @@ from _turn_cache import (
     ASSISTANT, END_THINK, FMT, IM_END, IM_START, NL, THINK, Request, build, evict,
     match, turn,
 )
+from _turn_cache import write_back as policy
 from sgl_spec.cache.segment import segment
 from sgl_spec.integration.tree_core import is_closed
 
@@ -45,7 +46,7 @@ def check_turn_invariants(cache) -> None:
         node, path = stack.pop()
         if node is not core.root_node:
             path = path + [node]
-            total += len(node.key)
+            total += 0 if node.evicted else len(node.key)  # host-only: not on the device
         if not node.children and path:
             tokens = [t for n in path for t in n.key.token_ids]
             spans = segment(tokens, FMT)
@@ -103,10 +104,40 @@ OPS = st.lists(
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=OPS)
 def test_lru_matches_stock_step_by_step(ops):
+    _play(ops, write_back=False)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=OPS)
+def test_write_back_matches_stock_step_by_step(ops):
+    """HiCache's write-back policy: a victim is backed up, then demoted. sgl_spec's
+    turn pieces of one stock node leave the device in the same step as stock's node
+    (issue 18: only the lowest piece did, 6 tokens evicted where stock evicted 21)."""
+    _play(ops, write_back=True)
+
+
+def test_write_back_demotes_the_whole_node_as_stock_does():
+    prompt = turn("system", [20, 21]) + turn("user", [30, 31, 32]) + [IM_START, ASSISTANT, NL]
+    full = prompt + [100, 101, 102]
+    got = []
+    for cache, alloc in (build("stock", 200, tree_core="python"), build("tagged", 200)):
+        policy(cache)
+        req = Request(cache, alloc, prompt, [100, 101, 102])
+        req.start()
+        req.finish()
+        got.append((evict(cache, 1), match(cache, full)[0], cache.tree_core.root_node is not None))
+    assert got[0] == got[1] == (len(full), 0, True)
+
+
+def _play(ops, write_back: bool) -> None:
     post_cut = build("tagged", POOL)
     post_cut[0].tree_core.precuts = False  # cut after the insert (the SWA/paged path)
     caches = [build("stock", POOL), build("stock", POOL, tree_core="python"),
               build("tagged", POOL), post_cut, build("spec", POOL)]
+    if write_back:
+        for cache, _ in caches:
+            policy(cache)
     convs: list[list] = []
     opened: list[list[Request]] = []
     for op in ops:
@@ -151,6 +182,9 @@ def test_lru_matches_stock_step_by_step(ops):
         check_turn_invariants(caches[3][0])
         tagged, compiled = caches[2][0].summary(), caches[4][0].summary()
         assert compiled["tree_core"] == "compiled" and tagged["tree_core"] == "tagged"
+        if write_back:  # the compiled core's view walks device slots only
+            assert compiled["totals"]["by_tier"]["device"] == tagged["totals"]["by_tier"]["device"]
+            continue
         assert compiled["totals"]["by_role"] == tagged["totals"]["by_role"]
         assert compiled["totals"]["by_tier"] == tagged["totals"]["by_tier"]
         if tagged["num_branches"] <= 64:  # all branches listed

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sglang.srt.mem_cache.unified_cache.cache_action import BackupKV
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import (
     BASE_COMPONENT_TYPE,
     UnifiedTreeCore,
@@ -91,6 +92,8 @@ class SpecTreeCore(UnifiedTreeCore):
         # both parts and calls name -> fn(upper, lower, value) to make them again.
         self.whole_node_payloads: dict[str, object] = {}
         self.freed_by_rule = {r: 0 for r in RULES}
+        # Write-back victims awaiting their demote: leaf id -> (rule, unit above it).
+        self._write_back_units: dict[int, tuple[str, list[int]]] = {}
         self._cutting = False
         super().__init__(params, components)
         # Cut the new tail while inserting it (FULL-only trees, page size 1);
@@ -324,6 +327,7 @@ class SpecTreeCore(UnifiedTreeCore):
     def evict_device_start(self, component_type, request_cnt):
         if self.turn_eviction and component_type == BASE_COMPONENT_TYPE:
             self.eviction_strategy.prepare()
+        self._write_back_units.clear()  # a failed backup's victim is never demoted
         super().evict_device_start(component_type, request_cnt)
 
     def evict_device_leaf(self, node_id, is_write_back):
@@ -334,7 +338,14 @@ class SpecTreeCore(UnifiedTreeCore):
         node = self.node_by_id(node_id)
         rule = self.rule_of(node)
         result = super().evict_device_leaf(node_id, is_write_back)
-        if result.backup_kv is not None:  # write-back: the cache backs it up first
+        if result.backup_kv is not None:
+            # Write-back: the cache backs the victim up, then calls ``demote``. Back up
+            # the whole unit (ancestors first, as BackupKV chains go) so that ``demote``
+            # can release it in this step, as stock releases its one coarser node.
+            unit = self._unit_above(node, rule)
+            ids = [p.id for p in reversed(unit) if not p.backuped]
+            result.backup_kv = BackupKV([*ids, *result.backup_kv.node_ids])
+            self._write_back_units[node.id] = (rule, [p.id for p in unit])
             return result
         self.freed_by_rule[rule] += result.tracker.get(BASE_COMPONENT_TYPE, 0)
         top = node
@@ -342,11 +353,7 @@ class SpecTreeCore(UnifiedTreeCore):
             parent = top.parent
             if parent is self.root_node or parent not in self.evictable_device_leaves:
                 break
-            if not (
-                self._continues_dead(top, parent, rule)
-                if self.turn_eviction
-                else top.spec.soft
-            ):
+            if not self._same_unit(top, parent, rule):
                 break
             step = super().evict_device_leaf(parent.id, is_write_back)
             if step.backup_kv is not None:  # cannot merge a pending backup
@@ -360,6 +367,48 @@ class SpecTreeCore(UnifiedTreeCore):
         if top is not node and getattr(full, "is_evict_device_ongoing", False):
             full._evict_device_last_node = top  # the walk resumes above the unit
         return result
+
+    def demote(self, node_id):
+        """Stock's demote of a backed-up write-back victim, then of the unit above it
+        (``evict_device_leaf`` had it backed up too), in the same step."""
+        result = super().demote(node_id)
+        pending = self._write_back_units.pop(node_id, None)
+        if pending is None:
+            return result
+        rule, unit = pending
+        self.freed_by_rule[rule] += result.tracker.get(BASE_COMPONENT_TYPE, 0)
+        top = self.node_by_id(node_id)
+        for parent_id in unit:
+            parent = self._node_arena.get(parent_id)
+            if (parent is None or parent is not top.parent or not parent.backuped
+                    or parent not in self.evictable_device_leaves):
+                break
+            step = super().demote(parent_id)
+            self.freed_by_rule[rule] += step.tracker.get(BASE_COMPONENT_TYPE, 0)
+            self._merge(result, step)
+            top = parent
+        full = self.components_by_type[BASE_COMPONENT_TYPE]
+        if top.id != node_id and getattr(full, "is_evict_device_ongoing", False):
+            full._evict_device_last_node = top  # the walk resumes above the unit
+        return result
+
+    def _same_unit(self, node, parent, rule: str) -> bool:
+        """``parent`` goes with ``node``: under LRU when ``node`` is a soft piece of
+        stock's coarser node; under turn eviction when both are one dead branch."""
+        return self._continues_dead(node, parent, rule) if self.turn_eviction else node.spec.soft
+
+    def _unit_above(self, node, rule: str) -> list:
+        """The ancestors (bottom-up) that would leave the device with ``node`` in one
+        step: each the only child's parent, unlocked, on the device, same unit."""
+        unit, top = [], node
+        while True:
+            parent = top.parent
+            if (parent is self.root_node or len(parent.children) != 1 or parent.evicted
+                    or any(cd.lock_ref > 0 for cd in parent.component_data)
+                    or not self._same_unit(top, parent, rule)):
+                return unit
+            unit.append(parent)
+            top = parent
 
     @staticmethod
     def _merge(into, step) -> None:
