@@ -20,10 +20,11 @@ from sgl_spec.integration.standalone import (
 from sgl_spec.integration.standalone import radix_key as key
 
 def build(kind: str, size: int, fmt: TurnFormat | None = FMT, eviction: str = "lru",
-          tree_core: str | None = None):
-    """kind: "stock", "spec" (default flags: the compiled core) or "tagged"."""
+          tree_core: str | None = None, policy: str = "lru"):
+    """kind: "stock", "spec" (default flags: the compiled core) or "tagged"; policy:
+    sglang's --radix-eviction-policy."""
     cfg = SpecConfig(cache=CacheConfig(eviction=eviction))
-    return build_cache(kind, size, fmt, cfg, tree_core)
+    return build_cache(kind, size, fmt, cfg, tree_core, eviction_policy=policy)
 
 
 def write_back(cache):

@@ -264,6 +264,26 @@ def test_turn_eviction_never_evicts_locked_nodes():
     assert cache.evictable_size() == 0 and match(cache, tokens)[0] == 0
 
 
+def test_turn_eviction_keeps_sglangs_priority_first():
+    """--radix-eviction-policy priority: the low-priority request is evicted first, as
+    stock does, although under turn eviction it is the more recent conversation."""
+    from sgl_spec.integration.standalone import InsertParams, radix_key
+
+    kept = []
+    for kind, eviction in (("stock", "lru"), ("spec", "turn")):
+        cache, alloc = build(kind, 200, tree_core="python" if kind == "stock" else None,
+                             eviction=eviction, policy="priority")
+        high = turn("system", [20, 21]) + turn("user", [30, 31, 32])
+        low = turn("system", [22, 23]) + turn("user", [40, 41, 42])
+        for tokens, priority in ((high, 10), (low, 0)):  # the low one is newer
+            cache.insert(InsertParams(key=radix_key(tokens), value=alloc.alloc(len(tokens)),
+                                      priority=priority))
+        evict(cache, 2)
+        kept.append((match(cache, high)[0], match(cache, low)[0]))
+    # (turn eviction frees a turn at a time, stock a whole node: only what goes differs)
+    assert all(h == len(high) and lo < len(low) for h, lo in kept), kept
+
+
 @pytest.mark.parametrize("kind", ["tagged", "spec"])
 def test_lru_policy_counts_everything_as_lru(kind):
     cache, alloc = build(kind, 2000)
@@ -288,3 +308,11 @@ def test_cache_eviction_flag_rejects_unknown_policies(capsys):
     cfg, rest = split_argv(["--spec-cache-eviction", "turn", "--tp-size", "1"])
     assert cfg.cache.eviction == "turn" and rest == ["--tp-size", "1"]
     assert cfg.tagged_cache  # turn eviction reads tags: the tagged core
+
+
+def test_the_tagged_core_says_it_ignores_sglangs_tree_core_env(monkeypatch, caplog):
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    with caplog.at_level("WARNING"):
+        cache, _ = build("tagged", 64)
+    assert cache.summary()["tree_core"] == "tagged"
+    assert "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python is ignored" in caplog.text

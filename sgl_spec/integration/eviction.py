@@ -13,6 +13,9 @@ Priority of an evictable leaf, smallest evicted first:
 3. within a conversation, the oldest round first (stale forks of earlier rounds
    before the live tail), then plain LRU.
 
+Under ``--radix-eviction-policy priority`` a request's priority comes first, as in
+sglang's PriorityStrategy (lower evicted first), and this order within a priority.
+
 Locked nodes never enter sglang's evictable-leaf set, so they are never chosen.
 """
 
@@ -22,8 +25,9 @@ from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 
 class TurnAwareStrategy(EvictionStrategy):
-    def __init__(self, core):
+    def __init__(self, core, by_priority: bool = False):
         self.core = core
+        self.by_priority = by_priority
         self._conv_of: dict[int, int] = {}
         self._conv_time: dict[int, float] = {}
 
@@ -67,11 +71,13 @@ class TurnAwareStrategy(EvictionStrategy):
         return False
 
     def get_priority(self, node):
+        first = (node.priority,) if self.by_priority else ()
         if self.is_dead(node):
-            return (0, 0.0, 0, node.last_access_time)
+            return (*first, 0, 0.0, 0, node.last_access_time)
         conv = self._conv_of.get(node.id, node.id)
         tag = node.spec.tag
         return (
+            *first,
             1,
             self._conv_time.get(conv, node.last_access_time),
             tag.round if tag is not None else 0,

@@ -21,6 +21,7 @@ retracted), so per-request state kept outside the tree is freed.
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
@@ -41,6 +42,7 @@ from .tree_view import SlotTokens, node_segments
 logger = logging.getLogger(__name__)
 
 TREE_CORE = "sgl_spec"
+BACKEND_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # sglang's choice of tree core
 LINES = "lines"  # the payload name of LoopServe's kept lines
 
 
@@ -131,6 +133,11 @@ class TaggedRadixCache(SpecRadixCache):
     tree_core_name = "tagged"
 
     def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
+        asked = os.environ.get(BACKEND_ENV, "")
+        if asked and asked != TREE_CORE:
+            logger.warning("%s=%s is ignored: turn eviction, LoopServe's kept lines and Krul "
+                           "need sgl_spec's turn-tagged tree core (%r)", BACKEND_ENV, asked,
+                           TREE_CORE)
         params.tree_core_backend = TREE_CORE
         params.sgl_spec_turns = (fmt, cfg.cache.eviction)
         self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse

@@ -37,11 +37,13 @@ def _server_args():
 
 
 def build_cache(kind: str, size: int, fmt: TurnFormat | None = None,
-                cfg: SpecConfig | None = None, tree_core: str | None = None):
+                cfg: SpecConfig | None = None, tree_core: str | None = None,
+                eviction_policy: str = "lru"):
     """(cache, allocator) over a ``size``-token pool. kind: "stock" (sglang's
     UnifiedRadixCache with its default tree core, or ``tree_core``), "spec" (sgl_spec's
     for ``cfg``: the compiled core, or the tagged one where a feature reads tags) or
-    "tagged" (sgl_spec's turn-tagged core whatever ``cfg`` says)."""
+    "tagged" (sgl_spec's turn-tagged core whatever ``cfg`` says). ``eviction_policy``:
+    sglang's ``--radix-eviction-policy``."""
     if kind not in KINDS:
         raise ValueError(f"cache kind {kind!r} is invalid; valid values: {', '.join(KINDS)}")
     _server_args()
@@ -63,7 +65,7 @@ def build_cache(kind: str, size: int, fmt: TurnFormat | None = None,
     params = CacheInitParams(disable=False, req_to_token_pool=r2t,
                              token_to_kv_pool_allocator=alloc, page_size=1,
                              tree_components=(ComponentType.FULL,),
-                             tree_core_backend=tree_core)
+                             tree_core_backend=tree_core, eviction_policy=eviction_policy)
     if kind == "stock":
         return UnifiedRadixCache(params), alloc
     cfg = cfg or SpecConfig()

@@ -103,7 +103,12 @@ class SpecTreeCore(UnifiedTreeCore):
         if self.turn_eviction:
             from .eviction import TurnAwareStrategy
 
-            self.eviction_strategy = TurnAwareStrategy(self)
+            policy = params.eviction_policy.lower()
+            if policy not in ("lru", "priority"):
+                logger.warning("--spec-cache-eviction turn orders eviction by turns and "
+                               "conversations; --radix-eviction-policy %s is not applied "
+                               "(lru and priority are)", policy)
+            self.eviction_strategy = TurnAwareStrategy(self, by_priority=policy == "priority")
 
     # ---- node records -------------------------------------------------------
     def _new_node(self, priority: int = 0):
