@@ -107,12 +107,20 @@ def _loopserve_flags(model_path: str) -> list[str]:
             "--spec-prefill-alpha", "0.98"]
 
 
-SESSION_SERVERS = {  # fixture name -> (launcher, flags)
+EARLY_SERVERS = {  # fixture name -> (launcher, flags(model_path)); modules add theirs
     "spec_server": (SPEC, _spec_flags),
     "stock_server": (STOCK, _stock_flags),
     "loopserve_server": (SPEC, _loopserve_flags),
 }
 _launched: dict[str, ServerProcess] = {}
+
+
+def early_server(name: str, model_path: str):
+    """For a fixture named ``name`` in EARLY_SERVERS, of any scope: the server launched
+    after collection (or now, if it was not), healthy; stopped when the fixture ends."""
+    module, flags = EARLY_SERVERS[name]
+    with _launched.pop(name, None) or ServerProcess(module, flags(model_path)) as server:
+        yield server
 
 
 def pytest_collection_modifyitems(items):
@@ -125,14 +133,14 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly or os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG"):
         return
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    wanted = [name for name in SESSION_SERVERS if name in used]
+    wanted = [name for name in EARLY_SERVERS if name in used]
     if wanted:
         from sgl_spec.prepare_model import prepare
 
         model = prepare()
         logs = session.config._tmp_path_factory.mktemp("logs")
         for name in wanted:
-            module, flags = SESSION_SERVERS[name]
+            module, flags = EARLY_SERVERS[name]
             _launched[name] = ServerProcess(module, flags(model),
                                             log_path=str(logs / f"{name}.log")).launch()
 
@@ -142,25 +150,19 @@ def pytest_sessionfinish(session):
         server.stop()
 
 
-def _session_server(name: str, model_path: str):
-    module, flags = SESSION_SERVERS[name]
-    with _launched.pop(name, None) or ServerProcess(module, flags(model_path)) as server:
-        yield server
-
-
 @pytest.fixture(scope="session")
 def spec_server(model_path):
     """sgl_spec.launch_server, exact mode, with the sgl_spec defaults."""
-    yield from _session_server("spec_server", model_path)
+    yield from early_server("spec_server", model_path)
 
 
 @pytest.fixture(scope="session")
 def stock_server(model_path):
     """Stock sglang.launch_server with torch_native attention (what CPU users run)."""
-    yield from _session_server("stock_server", model_path)
+    yield from early_server("stock_server", model_path)
 
 
 @pytest.fixture(scope="session")
 def loopserve_server(model_path):
     """One LoopServe server for the sparse decode and prefill tests (_loopserve_flags)."""
-    yield from _session_server("loopserve_server", model_path)
+    yield from early_server("loopserve_server", model_path)

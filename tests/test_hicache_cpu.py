@@ -16,7 +16,8 @@ import pytest
 import requests
 import torch
 
-from sgl_spec.bench.server import STOCK, ServerProcess, tail
+from conftest import EARLY_SERVERS, early_server
+from sgl_spec.bench.server import STOCK, tail
 from sgl_spec import boot
 from sgl_spec.integration.cpu.hicache import (
     alloc_host_buffer_cpu,
@@ -305,9 +306,8 @@ def _generate(url: str, text: str) -> tuple[str, dict, float]:
     return out["text"], out["meta_info"], time.perf_counter() - start
 
 
-@pytest.fixture
-def hicache_server(model_path, tmp_path):
-    args = [
+def _hicache_flags(model_path: str) -> list[str]:
+    return [
         "--model-path", model_path,
         "--device", "cpu",
         "--attention-backend", "torch_native",
@@ -320,8 +320,15 @@ def hicache_server(model_path, tmp_path):
         "--enable-cache-report",
         "--sleep-on-idle",
     ]  # fmt: skip
-    with ServerProcess(STOCK, args, log_path=str(tmp_path / "server.log")) as server:
-        yield server
+
+
+if not boot.cuda_host():  # launched early (conftest), with the session's servers
+    EARLY_SERVERS["hicache_server"] = (STOCK, _hicache_flags)
+
+
+@pytest.fixture(scope="module")
+def hicache_server(model_path):
+    yield from early_server("hicache_server", model_path)
 
 
 @pytest.mark.server
