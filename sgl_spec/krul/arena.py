@@ -168,10 +168,13 @@ class Arena:
         Merged entries are direction x this layer's magnitude; unstored ones are zero
         (the restore recomputes them)."""
         m = self.map[layer, slots.cpu().long()]
+        own = m >= 0
+        if bool(own.all()):  # the usual restore: every row the slot's own, none merged
+            k, v = self.store.get(m)
+            return k, v, own
         n = m.numel()
         k = torch.zeros(n, self.H, self.D, dtype=self.dtype)
         v = torch.zeros_like(k)
-        own = m >= 0
         k[own], v[own] = self.store.get(m[own])
         mer = m <= -2
         if mer.any():
