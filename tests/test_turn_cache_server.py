@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import COMMON_FLAGS, _log_path
-from sgl_spec.bench.server import SPEC, ServerProcess
+from conftest import COMMON_FLAGS, EARLY_SERVERS, early_server
+from sgl_spec.bench.server import SPEC
 
 pytestmark = pytest.mark.server
 DATA = Path(__file__).parent / "data"
@@ -99,14 +99,19 @@ def test_endpoint_reports_frontend_rounds(spec_server, hf_tok, max_tokens):
 POOL = 1024
 
 
+def _turn_flags(model_path: str) -> list[str]:
+    return ["--model-path", model_path, *COMMON_FLAGS,
+            "--chat-template", str(DATA / "chatml_reasoning.jinja"),
+            "--reasoning-parser", "qwen3", "--spec-cache-eviction", "turn",
+            "--max-total-tokens", str(POOL), "--enable-metrics"]
+
+
+EARLY_SERVERS["turn_server"] = (SPEC, _turn_flags)  # boots with the unit tests
+
+
 @pytest.fixture(scope="module")
-def turn_server(model_path, tmp_path_factory):
-    flags = ["--model-path", model_path, *COMMON_FLAGS,
-             "--chat-template", str(DATA / "chatml_reasoning.jinja"),
-             "--reasoning-parser", "qwen3", "--spec-cache-eviction", "turn",
-             "--max-total-tokens", str(POOL), "--enable-metrics"]
-    with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "turn")) as s:
-        yield s
+def turn_server(model_path):
+    yield from early_server("turn_server", model_path)
 
 
 def _generate(url: str, ids: list[int]) -> dict:
