@@ -1,9 +1,16 @@
-"""``python -m sgl_spec.calibrate strategy [--model-path DIR] [--out FILE] [--quick] [--force]``
+"""Calibrations for Krul (issue 17).
 
-Measures the model's attention statistics on local text (``sgl_spec.krul.calibrate``),
+``python -m sgl_spec.calibrate strategy [--model-path DIR] [--out FILE] [--quick] [--force]``
+measures the model's attention statistics on local text (``sgl_spec.krul.calibrate``),
 prints each layer's initial/recent share and the layer pairs Algorithm 1 takes at the
 given ``--spec-krul-gamma`` / ``--spec-krul-ratio``; the last line is the statistics
 file, which ``--spec-krul`` servers read (and prepare themselves when missing).
+
+``python -m sgl_spec.calibrate restore [--model-path DIR] [--device cuda] [--out FILE]``
+measures what a restore costs on this hardware (``sgl_spec.krul.restore_cost``): a
+prefill's seconds per token-layer, and each tier's seconds per loaded row; prints the
+recompute share that balances them for a ``--tokens``-long conversation and the
+restore time it predicts; the last line is the JSON profile.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="python -m sgl_spec.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True, metavar="{strategy}")
+    sub = ap.add_subparsers(dest="what", required=True, metavar="{strategy,restore}")
     sp = sub.add_parser("strategy", help="Krul's attention statistics and layer pairs")
     sp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     sp.add_argument("--force", action="store_true", help="measure again over a saved file")
@@ -27,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--quick", action="store_true", help="two short sequences (tests)")
     sp.add_argument("--spec-krul-gamma", type=float, default=KrulConfig.gamma, metavar="FLOAT")
     sp.add_argument("--spec-krul-ratio", type=float, default=KrulConfig.ratio, metavar="FLOAT")
+    rp = sub.add_parser("restore", help="Krul's restore costs: recompute vs load per tier")
+    _restore_args(rp)
     args = ap.parse_args(argv)
+    if args.what == "restore":
+        return _restore(ap, args)
     try:
         kc = KrulConfig(gamma=args.spec_krul_gamma, ratio=args.spec_krul_ratio)
     except ValueError as exc:
@@ -51,6 +62,68 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pairs at gamma {kc.gamma}, ratio {kc.ratio}: "
           + ", ".join(f"({i},{j}) d={float(dist[i, j]):.4f}" for i, j in strat.pairs))
     print(path)
+    return 0
+
+
+def _restore_args(rp: argparse.ArgumentParser) -> None:
+    from sgl_spec.krul.codec import CODECS
+    from sgl_spec.krul.restore_cost import TIERS
+
+    rp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    rp.add_argument("--random-weights", action="store_true",
+                    help="build the model from its config.json alone (the time is the same)")
+    rp.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1")
+    rp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the serving dtype (default bfloat16, sglang's for these models)")
+    rp.add_argument("--tokens", type=int, default=4096, metavar="N",
+                    help="conversation length to measure and split (default 4096)")
+    rp.add_argument("--spec-krul-codec", default=KrulConfig.codec, choices=sorted(CODECS),
+                    help=f"how the tier stores rows (default {KrulConfig.codec})")
+    rp.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS, metavar="TIER",
+                    help=f"tiers to measure; valid: {', '.join(TIERS)} (default all)")
+    rp.add_argument("--repeats", type=int, default=3, metavar="R", help="timed runs (median)")
+    rp.add_argument("--out", help="output JSON (default: restore-<model>-<device>.json here)")
+
+
+def _restore(ap: argparse.ArgumentParser, args) -> int:
+    import json
+    import os
+
+    import torch
+
+    if args.tokens < 16 or args.repeats < 1:
+        ap.error("--tokens must be >= 16 and --repeats >= 1")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        ap.error(f"--device {args.device!r} is not available here; valid: cpu"
+                 + (", cuda" if torch.cuda.is_available() else ""))
+    if args.model_path and args.random_weights:
+        if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+            ap.error(f"--model-path {args.model_path!r} has no config.json")
+        model = args.model_path
+    else:
+        from sgl_spec.bench.cli import model_path
+
+        model = model_path(ap, args.model_path)
+
+    from sgl_spec.krul import restore_cost
+
+    prof = restore_cost.profile(model, device=args.device, dtype=getattr(torch, args.dtype),
+                                tokens=args.tokens, codec=args.spec_krul_codec,
+                                tiers=tuple(args.tiers), repeats=args.repeats,
+                                random_weights=args.random_weights)
+    n, L = prof["tokens"], prof["shape"]["num_layers"]
+    print(f"{prof['hardware']} ({prof['device']}, {prof['dtype']}), {n} tokens x {L} layers, "
+          f"codec {prof['codec']}")
+    print(f"recompute: {prof['recompute_s'] * 1e6:.3f} us per token-layer "
+          f"({prof['recompute_s'] * n * L:.3f} s for the whole history)")
+    print("tier   load us/row   load-only s   best share   restore s (split)")
+    for tier, t in prof["tiers"].items():
+        print(f"{tier:5s}  {t['load_s'] * 1e6:11.4f}   {t['load_only_s']:11.3f}   "
+              f"{t['share']:10.3f}   {t['split_s']:.3f}")
+    out = args.out or f"restore-{os.path.basename(model.rstrip('/'))}-{prof['device']}.json"
+    with open(out, "w") as f:
+        json.dump(prof, f, indent=1)
+    print(os.path.abspath(out))
     return 0
 
 

@@ -1,0 +1,215 @@
+"""What a restore costs on this hardware: the calibration behind the recompute share.
+
+Krul restores a demoted conversation by recomputing the first part of its history
+while the rest is loaded (``krul.pyramid``); the share that balances the two comes
+from two measured costs (``pyramid.RestoreCost``):
+
+* ``recompute_s``: seconds per token per layer of a prefill of the history, the
+  target model in the serving dtype on the serving device (a forward of ``tokens``
+  random ids; its weights do not change the time, so ``--random-weights`` builds the
+  model from its config alone, for hosts that have the config but not the weights);
+* ``load_s`` per tier: seconds per row (one token, one layer, K and V) to bring a
+  stored conversation into a device KV buffer: ``host`` reads the arena through its
+  codec and copies each layer to the device as the host pool's per-layer load does;
+  ``file`` first reads each page back from a file and loads it into the arena, as the
+  ``file`` storage backend and ``KrulHostPool.set_from_flat_data_page`` do (the OS
+  page cache is warm: a cold disk costs more).
+
+    python -m sgl_spec.calibrate restore [--model-path DIR] [--device cuda]   # JSON profile
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .arena import Arena
+from .pyramid import RestoreCost, choose_share, pyramid, times
+
+TIERS = ("host", "file")
+_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, repeats: int, device: torch.device) -> float:
+    fn()                                   # warm-up (kernels, caches, allocator)
+    out = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def load_model(model_path: str, dtype: torch.dtype, device: torch.device,
+               random_weights: bool = False):
+    """The target in transformers (sdpa attention), eval mode, on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if random_weights:
+        config = AutoConfig.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                     attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def measure_recompute(model, tokens: int, repeats: int, device: torch.device) -> float:
+    """Seconds per token per layer of a ``tokens``-long prefill (median of repeats)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=gen).to(device)
+    t = _median_time(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1),
+                     repeats, device)
+    return t / (tokens * model.config.num_hidden_layers)
+
+
+def _filled_arena(shape: ModelShape, tokens: int, dtype: torch.dtype, codec: str
+                  ) -> tuple[Arena, torch.Tensor]:
+    L, H, D = shape.num_layers, shape.kv_heads, shape.head_dim
+    arena = Arena(tokens, L, tokens * L, H, D, dtype, codec=codec)
+    slots = arena.alloc(tokens)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        k, v = (torch.randn(tokens, H, D, generator=gen).to(dtype) for _ in range(2))
+        arena.write(layer, slots, k, v)
+    return arena, slots
+
+
+@torch.no_grad()
+def measure_load(shape: ModelShape, tokens: int, dtype: torch.dtype, codec: str,
+                 tier: str, repeats: int, device: torch.device) -> float:
+    """Seconds per row to bring ``tokens`` stored tokens of every layer from ``tier``
+    into device buffers (median of repeats)."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; valid: {', '.join(TIERS)}")
+    L, H, D = shape.num_layers, shape.kv_heads, shape.head_dim
+    arena, slots = _filled_arena(shape, tokens, dtype, codec)
+    dev_k = [torch.empty(tokens, H, D, dtype=dtype, device=device) for _ in range(L)]
+    dev_v = [torch.empty_like(b) for b in dev_k]
+    dev_idx = torch.arange(tokens, device=device)
+
+    def to_device():
+        load_into(arena, slots, dev_k, dev_v, dev_idx)
+
+    if tier == "host":
+        t = _median_time(to_device, repeats, device)
+    else:
+        with tempfile.TemporaryDirectory(prefix="sgl-spec-restore-") as d:
+            paths = []
+            for s in slots.tolist():         # one page per token (--page-size 1)
+                paths.append(os.path.join(d, f"{s}.bin"))
+                arena.export(torch.tensor([s])).numpy().tofile(paths[-1])
+
+            def from_file():
+                for s, path in zip(slots.tolist(), paths):
+                    page = torch.from_numpy(_read(path))
+                    if not arena.load(torch.tensor([s]), page):
+                        raise RuntimeError(f"page {path} failed its checksum")
+                to_device()
+
+            t = _median_time(from_file, repeats, device)
+    return t / (tokens * L)
+
+
+def load_into(arena: Arena, slots: torch.Tensor, dev_k: list[torch.Tensor],
+              dev_v: list[torch.Tensor], dev_idx: torch.Tensor) -> None:
+    """Every layer's rows of ``slots`` into the device buffers at ``dev_idx``, one layer
+    at a time (what ``KrulHostPool.load_to_device_per_layer`` does per layer)."""
+    for layer in range(arena.L):
+        k, v, _ = arena.read(layer, slots)
+        dev_k[layer][dev_idx] = k.to(dev_idx.device, non_blocking=True)
+        dev_v[layer][dev_idx] = v.to(dev_idx.device, non_blocking=True)
+
+
+def _read(path: str):
+    import numpy as np
+
+    return np.fromfile(path, dtype=np.uint8)
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+            tokens: int = 4096, codec: str = "int8", tiers=TIERS, repeats: int = 3,
+            random_weights: bool = False, progress: bool = True) -> dict:
+    """Measure both costs and choose each tier's recompute share for a ``tokens``-long
+    conversation (all layers stored through ``codec``; no merged pairs)."""
+    from tqdm import tqdm
+
+    dev = torch.device(device)
+    steps = tqdm(total=1 + len(tiers), desc="krul: restore costs", unit="step",
+                 disable=not progress)
+    model = load_model(model_path, dtype, dev, random_weights)
+    shape = ModelShape.of(model.config)
+    recompute_s = measure_recompute(model, tokens, repeats, dev)
+    del model
+    steps.update()
+    out = {"format": _FORMAT, "model": os.path.abspath(model_path), "hardware": hardware(dev),
+           "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+           "codec": codec, "shape": asdict(shape), "repeats": repeats,
+           "recompute_s": recompute_s, "tiers": {}}
+    weight = [1.0] * shape.num_layers
+    for tier in tiers:
+        load_s = measure_load(shape, tokens, dtype, codec, tier, repeats, dev)
+        cost = RestoreCost(recompute_s, load_s)
+        share = choose_share(cost, tokens, weight)
+        t_split = max(times(cost, tokens, pyramid(tokens, shape.num_layers, share), weight))
+        out["tiers"][tier] = {
+            "load_s": load_s, "share": share,
+            "load_only_s": times(cost, tokens, [0] * shape.num_layers, weight)[1],
+            "recompute_only_s": recompute_s * tokens * shape.num_layers,
+            "split_s": t_split}
+        steps.update()
+    steps.close()
+    return out
+
+
+def cost_of(prof: dict, tier: str) -> RestoreCost:
+    """The RestoreCost a profile measured for ``tier``; ValueError names the valid ones."""
+    if prof.get("format") != _FORMAT:
+        raise ValueError(f"restore profile format {prof.get('format')!r}, expected {_FORMAT}")
+    if tier not in prof["tiers"]:
+        raise ValueError(f"no {tier!r} tier in the restore profile; valid: "
+                         f"{', '.join(prof['tiers'])}")
+    return RestoreCost(prof["recompute_s"], prof["tiers"][tier]["load_s"])

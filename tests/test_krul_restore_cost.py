@@ -1,0 +1,96 @@
+"""Krul's restore calibration (``python -m sgl_spec.calibrate restore``): the load path
+it times brings the arena's rows to the device exactly, and the profile it writes
+chooses a share that never predicts a slower restore than loading or recomputing alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sgl_spec.krul import restore_cost
+from sgl_spec.krul.pyramid import RestoreCost, choose_share
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """A 2-layer Llama with GQA (4 query heads, 2 KV heads): config.json only."""
+    from transformers import LlamaConfig
+
+    d = tmp_path_factory.mktemp("tiny")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                max_position_embeddings=512).save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.parametrize("codec", ["full", "int8", "k8v4"])
+def test_load_into_equals_the_arenas_rows(codec):
+    shape = restore_cost.ModelShape(num_layers=3, kv_heads=2, head_dim=16)
+    arena, slots = restore_cost._filled_arena(shape, 10, torch.bfloat16, codec)
+    dev_k = [torch.zeros(12, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    dev_v = [torch.zeros_like(b) for b in dev_k]
+    idx = torch.arange(2, 12)
+    restore_cost.load_into(arena, slots, dev_k, dev_v, idx)
+    for layer in range(3):
+        k, v, stored = arena.read(layer, slots)
+        assert stored.all()
+        assert torch.equal(dev_k[layer][idx], k) and torch.equal(dev_v[layer][idx], v)
+        assert not dev_k[layer][:2].any()                # rows outside dev_idx untouched
+
+
+def test_model_shape_reads_gqa_and_head_dim(tiny_config):
+    from transformers import AutoConfig
+
+    assert restore_cost.ModelShape.of(AutoConfig.from_pretrained(tiny_config)) == \
+        restore_cost.ModelShape(num_layers=2, kv_heads=2, head_dim=16)
+
+
+def test_profile_and_its_share(tiny_config):
+    prof = restore_cost.profile(tiny_config, tokens=64, repeats=1, random_weights=True,
+                                codec="int8", progress=False)
+    assert prof["shape"] == {"num_layers": 2, "kv_heads": 2, "head_dim": 16}
+    assert prof["recompute_s"] > 0 and set(prof["tiers"]) == {"host", "file"}
+    for tier, t in prof["tiers"].items():
+        assert t["load_s"] > 0 and 0.0 <= t["share"] <= 1.0
+        # the chosen split is never predicted slower than either pure strategy
+        assert t["split_s"] <= min(t["load_only_s"], t["recompute_only_s"]) * (1 + 1e-9)
+        cost = restore_cost.cost_of(prof, tier)
+        assert cost == RestoreCost(prof["recompute_s"], t["load_s"])
+    with pytest.raises(ValueError, match="valid: host, file"):
+        restore_cost.cost_of(prof, "disk")
+
+
+def test_share_follows_the_costs():
+    """A load as dear as a recompute splits about evenly; a cheap load recomputes nothing."""
+    even = choose_share(RestoreCost(recompute_s=1.0, load_s=1.0), 1000, [1.0] * 4)
+    assert 0.4 <= even <= 0.6
+    assert choose_share(RestoreCost(recompute_s=1.0, load_s=0.001), 1000, [1.0] * 4) == 0.0
+
+
+def test_cli_writes_the_profile(tiny_config, tmp_path, capsys):
+    from sgl_spec.calibrate.__main__ import main
+
+    out = tmp_path / "p.json"
+    assert main(["restore", "--model-path", tiny_config, "--random-weights", "--tokens", "32",
+                 "--repeats", "1", "--tiers", "host", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == str(out)
+    assert lines[-2].startswith("host ")
+    assert set(json.loads(out.read_text())["tiers"]) == {"host"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu"], "valid: cpu"),
+    (["--tokens", "8"], "--tokens must be >= 16"),
+    (["--tiers", "disk"], "invalid choice: 'disk'"),
+    (["--spec-krul-codec", "int4"], "invalid choice: 'int4'"),
+])
+def test_cli_refuses_bad_values(tiny_config, argv, message, capsys):
+    from sgl_spec.calibrate.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["restore", "--model-path", tiny_config, "--random-weights", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
