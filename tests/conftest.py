@@ -10,6 +10,11 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -107,19 +112,52 @@ def _loopserve_flags(model_path: str) -> list[str]:
             "--spec-prefill-alpha", "0.98"]
 
 
-EARLY_SERVERS = {  # fixture name -> (launcher, flags(model_path)); modules add theirs
-    "spec_server": (SPEC, _spec_flags),
-    "stock_server": (STOCK, _stock_flags),
-    "loopserve_server": (SPEC, _loopserve_flags),
+class Early(NamedTuple):
+    """A shared server: ``flags(model_path)`` may prepare what the flags name (a head,
+    statistics) in ``early_dir(name)``, in subprocesses only (it runs in the launch
+    thread, beside the unit tests); ``env(model_path)`` adds environment variables."""
+
+    module: str
+    flags: Callable[[str], list[str]]
+    env: Callable[[str], dict[str, str]] | None = None
+    prepares: bool = False  # flags() trains or measures something first: launched last
+
+    def server(self, model_path: str, log_path: str | None = None) -> ServerProcess:
+        env = self.env(model_path) if self.env else None
+        return ServerProcess(self.module, self.flags(model_path), log_path=log_path, env=env)
+
+
+EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
+    "spec_server": Early(SPEC, _spec_flags),
+    "stock_server": Early(STOCK, _stock_flags),
+    "loopserve_server": Early(SPEC, _loopserve_flags),
 }
 _launched: dict[str, ServerProcess] = {}
+_launch_failed: dict[str, BaseException] = {}
+_launching: dict[str, threading.Event] = {}
+_base_dir: list[Path] = []
+_session_over = threading.Event()
+
+
+def early_dir(name: str) -> Path:
+    """A directory of the session for the shared server ``name`` (its head, statistics,
+    storage), the same on every call."""
+    if not _base_dir:
+        _base_dir.append(Path(tempfile.mkdtemp(prefix="sgl-spec-early-")))
+    d = _base_dir[0] / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def early_server(name: str, model_path: str):
     """For a fixture named ``name`` in EARLY_SERVERS, of any scope: the server launched
     after collection (or now, if it was not), healthy; stopped when the fixture ends."""
-    module, flags = EARLY_SERVERS[name]
-    with _launched.pop(name, None) or ServerProcess(module, flags(model_path)) as server:
+    if name in _launching:
+        _launching[name].wait()
+    if name in _launch_failed:
+        raise RuntimeError(f"the shared server {name} could not be launched") \
+            from _launch_failed.pop(name)
+    with _launched.pop(name, None) or EARLY_SERVERS[name].server(model_path) as server:
         yield server
 
 
@@ -134,18 +172,37 @@ def pytest_collection_finish(session):
         return
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     wanted = [name for name in EARLY_SERVERS if name in used]
-    if wanted:
-        from sgl_spec.prepare_model import prepare
+    if not wanted:
+        return
+    from sgl_spec.prepare_model import prepare
 
-        model = prepare()
-        logs = session.config._tmp_path_factory.mktemp("logs")
+    model = prepare()
+    logs = session.config._tmp_path_factory.mktemp("logs")
+    if not _base_dir:
+        _base_dir.append(session.config._tmp_path_factory.mktemp("early"))
+    wanted.sort(key=lambda name: EARLY_SERVERS[name].prepares)
+    for name in wanted:
+        _launching[name] = threading.Event()
+
+    def launch_all():  # in the registry's order; a slow preparation delays only its own
         for name in wanted:
-            module, flags = EARLY_SERVERS[name]
-            _launched[name] = ServerProcess(module, flags(model),
-                                            log_path=str(logs / f"{name}.log")).launch()
+            try:
+                server = EARLY_SERVERS[name].server(model, log_path=str(logs / f"{name}.log"))
+                _launched[name] = server.launch()
+            except BaseException as exc:  # re-raised by the fixture that needs it
+                _launch_failed[name] = exc
+            finally:
+                _launching[name].set()
+        # Servers die with the thread that started them (PR_SET_PDEATHSIG): stay.
+        _session_over.wait()
+
+    threading.Thread(target=launch_all, name="early-servers", daemon=True).start()
 
 
 def pytest_sessionfinish(session):
+    for event in _launching.values():
+        event.wait(timeout=600)
+    _session_over.set()
     for server in _launched.values():  # launched, never used (their tests failed early)
         server.stop()
 

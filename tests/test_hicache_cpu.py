@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from conftest import EARLY_SERVERS, early_server
+from conftest import EARLY_SERVERS, Early, early_server
 from sgl_spec.bench.server import STOCK, tail
 from sgl_spec import boot
 from sgl_spec.integration.cpu.hicache import (
@@ -323,7 +323,7 @@ def _hicache_flags(model_path: str) -> list[str]:
 
 
 if not boot.cuda_host():  # launched early (conftest), with the session's servers
-    EARLY_SERVERS["hicache_server"] = (STOCK, _hicache_flags)
+    EARLY_SERVERS["hicache_server"] = Early(STOCK, _hicache_flags)
 
 
 @pytest.fixture(scope="module")

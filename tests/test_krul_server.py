@@ -3,11 +3,16 @@ restored from it; a corrupted one is recomputed, never served."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import requests
 
+from conftest import EARLY_SERVERS, Early, early_dir, early_server
 from sgl_spec import boot
-from sgl_spec.bench.server import SPEC, ServerProcess, flush_cache
+from sgl_spec.bench.server import SPEC, flush_cache
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(boot.cuda_host(), reason="Krul's host pool: CPU I/O only")]
@@ -16,23 +21,51 @@ PROMPT_TOKENS = 800
 MAX_NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def stats(model_path, tmp_path_factory):
-    from sgl_spec.krul.calibrate import CalibrationConfig, prepare
+def _stats(model_path: str) -> str:
+    """The quick form of the model's attention statistics, measured once per session
+    (in a subprocess: this runs in conftest's launch thread, beside the unit tests)."""
+    out = early_dir("krul") / "stats.json"
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "strategy", "--quick",
+                        "--model-path", model_path, "--out", str(out)],
+                       check=True, capture_output=True, timeout=600)
+    return str(out)
 
-    return prepare(model_path, CalibrationConfig.quick(),
-                   out=str(tmp_path_factory.mktemp("krul") / "stats.json"))
 
-
-def _args(model_path: str, stats: str) -> list[str]:
+def _args(model_path: str) -> list[str]:
     return [
         "--model-path", model_path,
         # Room for one 800-token request: the next one demotes it to the host.
         "--max-total-tokens", "1100",
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
         "--enable-cache-report", "--sleep-on-idle",
-        "--spec-krul", "--spec-krul-stats", stats,
+        "--spec-krul", "--spec-krul-stats", _stats(model_path),
     ]  # fmt: skip
+
+
+def _storage(model_path: str) -> dict[str, str]:
+    return {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(early_dir("krul_file") / "l3")}
+
+
+# Both servers boot with the session's shared servers (conftest), beside the unit tests.
+if not boot.cuda_host():
+    EARLY_SERVERS["krul_file_server"] = Early(
+        SPEC, lambda m: _args(m) + ["--hicache-storage-backend", "file",
+                                    "--hicache-storage-prefetch-policy", "wait_complete"],
+        env=_storage, prepares=True)
+    EARLY_SERVERS["krul_merging_server"] = Early(
+        SPEC, lambda m: _args(m) + ["--spec-krul-max-error", "1", "--spec-krul-codec", "int8"],
+        env=lambda m: {"SGLSPEC_KRUL_CORRUPT": "1"}, prepares=True)
+
+
+@pytest.fixture(scope="module")
+def krul_file_server(model_path):
+    yield from early_server("krul_file_server", model_path)
+
+
+@pytest.fixture(scope="module")
+def krul_merging_server(model_path):
+    yield from early_server("krul_merging_server", model_path)
 
 
 def _prompts(model_path: str) -> tuple[str, str]:
@@ -80,29 +113,26 @@ def _demote_and_restore(server, model_path):
     return ids, again_ids, again_meta, totals, _krul(server.url)
 
 
-def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, stats, tmp_path):
+def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_file_server):
     """Default flags: K rows in int8 and V in 4 bits (0.39x of bf16), this model's unlike
     pairs left unmerged; the restored prompt's greedy answer is the never-evicted one.
     With the ``file`` storage backend (L3), the same compressed rows are the pages: after
     the host tier is flushed the prompt comes back from storage, and a page with a
     flipped byte is recomputed, not served."""
-    storage = tmp_path / "l3"
-    args = _args(model_path, stats) + ["--hicache-storage-backend", "file",
-                                       "--hicache-storage-prefetch-policy", "wait_complete"]
-    with ServerProcess(SPEC, args, env={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)},
-                       log_path=str(tmp_path / "server.log")) as server:
-        ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
-        first, _ = _prompts(model_path)
-        pages = sorted(storage.glob("*.bin"))
-        flush_cache(server.url)
-        l3_ids, l3_meta = _generate(server.url, first)
-        flush_cache(server.url)
-        for page in pages:                                # flip a byte of every page
-            data = bytearray(page.read_bytes())
-            data[len(data) // 2] ^= 1
-            page.write_bytes(bytes(data))
-        bad_ids, bad_meta = _generate(server.url, first)
-        refused = _krul(server.url)["refused_loads"]
+    server = krul_file_server
+    storage = Path(server.env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"])
+    ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
+    first, _ = _prompts(model_path)
+    pages = sorted(storage.glob("*.bin"))
+    flush_cache(server.url)
+    l3_ids, l3_meta = _generate(server.url, first)
+    flush_cache(server.url)
+    for page in pages:                                # flip a byte of every page
+        data = bytearray(page.read_bytes())
+        data[len(data) // 2] ^= 1
+        page.write_bytes(bytes(data))
+    bad_ids, bad_meta = _generate(server.url, first)
+    refused = _krul(server.url)["refused_loads"]
     # one token per page (--page-size 1): every layer's k8v4 row and an 8-byte checksum
     assert len(pages) >= PROMPT_TOKENS // 2
     assert {p.stat().st_size for p in pages} == {30 * (3 * 64 + 3 * 32 + 4 * 3) + 8}
@@ -123,15 +153,12 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, stats, 
     assert again_ids == ids
 
 
-def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_path, stats,
-                                                                       tmp_path):
+def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_path,
+                                                                       krul_merging_server):
     """--spec-krul-max-error 1 merges every pair Algorithm 1 chose, however unlike (this
     model's are: docs/design/krul.md §11); a stored byte flipped after the checksum
     (SGLSPEC_KRUL_CORRUPT) makes the load refused and the tokens recomputed."""
-    args = _args(model_path, stats) + ["--spec-krul-max-error", "1", "--spec-krul-codec", "int8"]
-    with ServerProcess(SPEC, args, env={"SGLSPEC_KRUL_CORRUPT": "1"},
-                       log_path=str(tmp_path / "server.log")) as server:
-        ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
+    ids, again_ids, meta, totals, after = _demote_and_restore(krul_merging_server, model_path)
     # 8 merged pairs of 30 layers, int8 rows and bf16 magnitudes: ~0.39x of a full copy.
     assert totals["nodes"] >= 1 and totals["pairs_skipped"] == 0
     ratio = totals["stored_bytes"] / totals["full_bytes"]

@@ -16,7 +16,7 @@ import requests
 import torch
 
 from _sparse import SHAPE, FakePool, decode_step
-from conftest import COMMON_FLAGS, EARLY_SERVERS, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.core import AttentionCore
 from sgl_spec.attention.decode import Decoder
@@ -427,7 +427,7 @@ def _small_budget_flags(model_path: str) -> list[str]:
             "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics"]
 
 
-EARLY_SERVERS["small_budget_server"] = (SPEC, _small_budget_flags)  # boots with the unit tests
+EARLY_SERVERS["small_budget_server"] = Early(SPEC, _small_budget_flags)  # boots with the unit tests
 
 
 @pytest.mark.server

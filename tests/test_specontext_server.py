@@ -7,36 +7,55 @@ back with the token's KV."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from conftest import COMMON_FLAGS, _log_path
+from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_dir, early_server
 from sgl_spec.bench import sparse_counters
-from sgl_spec.bench.server import SPEC, ServerProcess, flush_cache
-from sgl_spec.head.train import TrainConfig
+from sgl_spec.bench.server import SPEC, flush_cache
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
 
 BUDGET, SINK, WINDOW = 64, 4, 64
 ROWS = SINK + BUDGET + WINDOW  # staged per request, layer and KV head
 
 
+def _head(model_path: str) -> str:
+    """The quick form of the head, trained once per session (in a subprocess: this
+    runs in conftest's launch thread, beside the unit tests)."""
+    from sgl_spec.train_head import is_prepared
+
+    out = early_dir("specontext_server") / "head"
+    if not is_prepared(str(out)):
+        subprocess.run([sys.executable, "-m", "sgl_spec.train_head", "--model-path", model_path,
+                        "--out", str(out), "--quick"], check=True, capture_output=True,
+                       timeout=600)
+    return str(out)
+
+
+def _flags(model_path: str) -> list[str]:
+    """A pool that holds one ~1000-token request and a half, with HiCache: the last
+    test evicts a prompt to the host tier."""
+    return ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
+            "--spec-draft-path", _head(model_path), "--spec-budget", str(BUDGET),
+            "--spec-min-context", "256", "--enable-metrics",
+            "--max-total-tokens", "1400", "--enable-hierarchical-cache", "--hicache-ratio", "2"]
+
+
+EARLY_SERVERS["specontext_server"] = Early(SPEC, _flags, prepares=True)
+
+
 @pytest.fixture(scope="module")
-def head_path(model_path, tmp_path_factory):
-    from sgl_spec.train_head import prepare
-
-    return prepare(model_path, TrainConfig.quick(), str(tmp_path_factory.mktemp("head") / "h"))
+def server(specontext_server):
+    return specontext_server
 
 
 @pytest.fixture(scope="module")
-def server(model_path, head_path, tmp_path_factory):
-    """One specontext server for the module (a start is ~40 s on 2 cores), with HiCache
-    and a pool that holds one ~1000-token request and a half: the last test evicts a
-    prompt to the host tier."""
-    flags = ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
-             "--spec-draft-path", head_path, "--spec-budget", str(BUDGET),
-             "--spec-min-context", "256", "--enable-metrics",
-             "--max-total-tokens", "1400", "--enable-hierarchical-cache", "--hicache-ratio", "2"]
-    with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "specontext")) as s:
-        yield s
+def specontext_server(model_path):
+    """One specontext server for the module (a start is ~40 s on 2 cores), launched
+    with the session's shared servers."""
+    yield from early_server("specontext_server", model_path)
 
 
 @pytest.mark.server

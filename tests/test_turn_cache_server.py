@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import COMMON_FLAGS, EARLY_SERVERS, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench.server import SPEC
 
 pytestmark = pytest.mark.server
@@ -106,7 +106,7 @@ def _turn_flags(model_path: str) -> list[str]:
             "--max-total-tokens", str(POOL), "--enable-metrics"]
 
 
-EARLY_SERVERS["turn_server"] = (SPEC, _turn_flags)  # boots with the unit tests
+EARLY_SERVERS["turn_server"] = Early(SPEC, _turn_flags)  # boots with the unit tests
 
 
 @pytest.fixture(scope="module")

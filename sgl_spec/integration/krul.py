@@ -129,8 +129,13 @@ class KrulHostPool(MHATokenToKVPoolHost):
         with self.lock:
             ok = self.arena.load(self._page_slots(index), data_page)
         if not ok:
-            logger.warning("sgl_spec krul: a storage page at host slot %d failed its "
-                           "checksum; a load that reaches it is refused (recomputed)", index)
+            # One line for the first damaged page, then at 2, 4, 8, ... (a damaged file
+            # tier fails every page of a conversation).
+            self.bad_pages = getattr(self, "bad_pages", 0) + 1
+            if self.bad_pages & (self.bad_pages - 1) == 0:
+                logger.warning("sgl_spec krul: a storage page at host slot %d failed its "
+                               "checksum (%d so far); a load that reaches a damaged page is "
+                               "refused and its tokens recomputed", index, self.bad_pages)
 
     def _no_zero_copy(self, *args, **kwargs):
         raise NotImplementedError("--spec-krul pages are compressed rows that zero-copy "
