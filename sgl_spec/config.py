@@ -139,25 +139,28 @@ FLAGS: tuple[Flag, ...] = (
 _BY_FIELD = {(f.section, f.field): f for f in FLAGS}
 
 
+def check_value(flag: Flag, v) -> None:
+    """ValueError naming the flag and its valid values where ``v`` is not one of them."""
+    if flag.kind == "choice" and v not in flag.choices:
+        raise ValueError(f"{flag.name} {v!r} is invalid; valid values: "
+                         f"{', '.join(flag.choices)}")
+    if flag.kind == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < flag.lo):
+        raise ValueError(f"{flag.name} {v!r} is invalid; valid range: integers >= {flag.lo}")
+    if flag.kind == "fraction" and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                    or not 0.0 < v <= 1.0):
+        raise ValueError(f"{flag.name} {v!r} is invalid; valid range: a number in (0, 1]")
+    if flag.kind == "bool" and not isinstance(v, bool):
+        raise ValueError(f"{flag.name} {v!r} is invalid; valid values: true, false")
+    if flag.kind == "path" and not isinstance(v, str):
+        raise ValueError(f"{flag.name} {v!r} is invalid; valid values: a path")
+
+
 def _check(section: str, obj) -> None:
     """Validate the fields of ``obj`` that have a flag; ValueError names the flag."""
     for f in dataclasses.fields(obj):
         flag = _BY_FIELD.get((section, f.name))
-        if flag is None:
-            continue
-        v = getattr(obj, f.name)
-        if flag.kind == "choice" and v not in flag.choices:
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: "
-                             f"{', '.join(flag.choices)}")
-        if flag.kind == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < flag.lo):
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid range: integers >= {flag.lo}")
-        if flag.kind == "fraction" and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                        or not 0.0 < v <= 1.0):
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid range: a number in (0, 1]")
-        if flag.kind == "bool" and not isinstance(v, bool):
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: true, false")
-        if flag.kind == "path" and not isinstance(v, str):
-            raise ValueError(f"{flag.name} {v!r} is invalid; valid values: a path")
+        if flag is not None:
+            check_value(flag, getattr(obj, f.name))
 
 
 @dataclass(frozen=True)
@@ -361,8 +364,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def from_cli_args(args: argparse.Namespace) -> SpecConfig:
     """The config of parsed flags; raises ValueError naming a bad flag."""
     values: dict[str, dict] = {"": {}, **{name: {} for name in PARTS}}
-    for flag in FLAGS:
-        values[flag.section][flag.field] = getattr(args, f"{flag.section}__{flag.field}")
+    for flag in FLAGS:  # every value first, then the combinations (the parts' checks)
+        v = values[flag.section][flag.field] = getattr(args, f"{flag.section}__{flag.field}")
+        check_value(flag, v)
     return SpecConfig(**{name: part(**values[name]) for name, part in PARTS.items()},
                       **values[""])
 

@@ -37,6 +37,32 @@ def _given(argv: list[str], *options: str) -> bool:
     return any(a in options or a.split("=", 1)[0] in options for a in argv)
 
 
+_BOOL_FLAGS = {f.name: f for f in spec_config.FLAGS if f.kind == "bool"}
+
+
+_NUMBER_FLAGS = {f.name for f in spec_config.FLAGS if f.kind in ("int", "fraction")}
+
+
+def _join_numbers(argv: list[str]) -> list[str]:
+    """``--spec-budget -1e3`` as ``--spec-budget=-1e3``: argparse takes a value like
+    ``-1e3`` for an option and would not reach the check that names the valid range."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in _NUMBER_FLAGS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            try:
+                float(argv[i + 1])
+            except ValueError:
+                pass
+            else:
+                out.append(f"{a}={argv[i + 1]}")
+                i += 2
+                continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def _spec_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
     spec_config.add_cli_args(parser)
@@ -46,7 +72,14 @@ def _spec_parser() -> argparse.ArgumentParser:
 def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
     """Separate ``--spec-*`` flags from sglang's; exits 2 on a bad ``--spec-*`` flag."""
     parser = _spec_parser()
-    spec_args, rest = parser.parse_known_args(argv)
+    for a in argv:  # argparse's "ignored explicit argument" would not name the forms
+        name, eq, val = a.partition("=")
+        flag = _BOOL_FLAGS.get(name.replace("--no-spec-", "--spec-", 1))
+        if eq and flag is not None:
+            forms = (flag.name if flag.name == "--spec-disable"
+                     else f"{flag.name} or --no-{flag.name[2:]}")
+            parser.error(f"{name} takes no value (got {val!r}); valid: {forms}")
+    spec_args, rest = parser.parse_known_args(_join_numbers(argv))
     unknown = [a.split("=", 1)[0] for a in rest if a.startswith("--spec-")]
     if unknown:
         valid = sorted(

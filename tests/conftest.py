@@ -34,7 +34,11 @@ from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 
 # Flags both servers share (the benchmarks' own), so that only the sgl_spec
 # components differ; idle schedulers sleep so two servers leave the 2 cores free.
+# A KV pool of 16384 tokens (twice the model's window) rather than the benchmarks'
+# 32768: up to nine servers are up at once, and each 16k tokens of pool is 0.38 GB.
+TEST_POOL = 16384
 COMMON_FLAGS = [*configset.COMMON_FLAGS, "--sleep-on-idle"]
+COMMON_FLAGS[COMMON_FLAGS.index("--max-total-tokens") + 1] = str(TEST_POOL)
 
 
 @pytest.fixture(scope="session")

@@ -230,3 +230,128 @@ def test_calibration_rows_and_statistics_file_round_trip(tmp_path):
     path = tmp_path / "s.json"
     path.write_text(__import__("json").dumps({"format": 1, "stats": sim.to_dict()}))
     torch.testing.assert_close(calibrate.load(str(path)).gram, sim.gram)
+
+
+# ---- the flag space, property-based (issue 18: >= 200 examples each) -------------------
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import string  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sgl_spec.config import FLAGS, Flag  # noqa: E402
+from sgl_spec.launch_server import check_krul  # noqa: E402
+
+_WORDS = st.text(alphabet=string.ascii_letters, min_size=1, max_size=8)
+_CHECKED = [f for f in FLAGS if f.kind != "path"]  # paths: files, tested above
+
+
+def _bool_forms(flag: Flag) -> list[str]:
+    return [flag.name] if flag.name == "--spec-disable" else [flag.name, f"--no-{flag.name[2:]}"]
+
+
+def _pass(flag: Flag, value: str, eq: bool) -> list[str]:
+    return [f"{flag.name}={value}"] if eq else [flag.name, value]
+
+
+def _valid(flag: Flag):
+    """(argv, the config value it sets) for one flag."""
+    if flag.kind == "bool":
+        return st.sampled_from(_bool_forms(flag)).map(lambda a: ([a], not a.startswith("--no-")))
+    if flag.kind == "choice":
+        values = st.sampled_from(flag.choices)
+    elif flag.kind == "int":
+        values = st.integers(flag.lo, flag.lo + 100_000)
+    else:
+        values = st.floats(0.0, 1.0, exclude_min=True)
+    return st.tuples(values, st.booleans()).map(lambda p: (_pass(flag, str(p[0]), p[1]), p[0]))
+
+
+def _invalid(flag: Flag):
+    """(argv, what the error must name) for one flag: out of range or the wrong type."""
+    if flag.kind == "bool":
+        return st.tuples(st.sampled_from(_bool_forms(flag)), _WORDS).map(
+            lambda p: ([f"{p[0]}={p[1]}"], [p[0], "takes no value", flag.name]))
+    if flag.kind == "choice":
+        values, needles = _WORDS.filter(lambda w: w not in flag.choices), list(flag.choices)
+    elif flag.kind == "int":
+        values = st.one_of(st.integers(-10**9, flag.lo - 1).map(str),
+                           st.floats(0.5, 1e6).filter(lambda x: x != int(x)).map(str),
+                           _WORDS.filter(lambda w: w.lower() not in ("nan", "inf")))
+        needles = [f"valid range: integers >= {flag.lo}"]
+    else:
+        values = st.one_of(st.floats(-1e6, 0.0).map(str),
+                           st.floats(1.0, 1e6, exclude_min=True).map(str),
+                           st.sampled_from(["nan", "inf", "-inf"]), _WORDS)
+        needles = ["valid range: a number in (0, 1]"]
+    return st.tuples(values, st.booleans()).map(
+        lambda p: (_pass(flag, p[0], p[1]), [flag.name, *needles]))
+
+
+@st.composite
+def _valid_flags(draw, exclude: Flag | None = None):
+    """A few distinct valid ``--spec-*`` flags with the config values they set."""
+    flags = draw(st.lists(st.sampled_from([f for f in _CHECKED if f != exclude]),
+                          max_size=5, unique=True))
+    return [(f, *draw(_valid(f))) for f in flags]
+
+
+def _split(argv: list[str]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            return split_argv(argv), err.getvalue()
+        except SystemExit as exc:
+            return exc.code, err.getvalue()
+
+
+@settings(max_examples=250, deadline=None)
+@given(data=st.data())
+def test_every_bad_flag_value_exits_2_naming_the_flag_and_its_valid_values(data):
+    flag = data.draw(st.sampled_from(_CHECKED))
+    bad, needles = data.draw(_invalid(flag))
+    groups = [args for _, args, _ in data.draw(_valid_flags(exclude=flag))]
+    groups.insert(data.draw(st.integers(0, len(groups))), bad)
+    argv = ["--model-path", "/m", *(a for g in groups for a in g)]
+    code, err = _split(argv)
+    assert code == 2, (argv, code)
+    for needle in needles:
+        assert needle in err, (argv, needle, err)
+
+
+@settings(max_examples=250, deadline=None)
+@given(chosen=_valid_flags(), hicache=st.booleans(),
+       storage=st.sampled_from([None, "file", "mooncake"]), page=st.sampled_from([None, "1", "16"]))
+def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, hicache, storage,
+                                                                        page):
+    argv = [a for _, args, _ in chosen for a in args]
+    sglang = ["--enable-hierarchical-cache"] * hicache
+    sglang += ["--hicache-storage-backend", storage] * (storage is not None)
+    sglang += ["--page-size", page] * (page is not None)
+    got, err = _split(argv + sglang)
+    given_ = {f.name: value for f, _, value in chosen}
+    if given_.get("--spec-prefetch", "auto") != "auto" and \
+            given_.get("--spec-mode", "exact") != "specontext":
+        assert got == 2 and "--spec-prefetch is read only with --spec-mode specontext" in err
+        return
+    if given_.get("--spec-disable") and given_.get("--spec-krul"):
+        assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
+        return
+    cfg, rest = got
+    assert rest == sglang
+    for flag, _, value in chosen:
+        part = getattr(cfg, flag.section) if flag.section else cfg
+        assert getattr(part, flag.field) == value, (flag.name, value)
+    if not cfg.krul.enable:
+        check_krul(cfg, rest)  # nothing to check without Krul
+        return
+    problem = (None if hicache else "--enable-hierarchical-cache") or (
+        "--hicache-storage-backend" if storage == "mooncake" else None) or (
+        "--page-size 1" if storage == "file" and page == "16" else None)
+    if problem is None:
+        check_krul(cfg, rest)
+    else:
+        with pytest.raises(ValueError, match="valid: ") as exc:
+            check_krul(cfg, rest)
+        assert problem in str(exc.value) and "--spec-krul" in str(exc.value)

@@ -1,8 +1,11 @@
 """The turn-aware cache on a real server: ``GET /sgl_spec/cache``, Prometheus
-gauges, and turn-aware eviction of dead reasoning branches."""
+gauges, and turn-aware eviction of dead reasoning branches; with sglang's
+``--api-key``, sgl_spec's route asks for the key as sglang's own routes do, and
+nothing sgl_spec adds shows prompt text."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -17,10 +20,14 @@ DATA = Path(__file__).parent / "data"
 QUESTIONS = ["Name a color.", "Name a fruit.", "Name a city.", "Name an animal."]
 
 
-def cache_summary(url: str) -> dict:
-    r = requests.get(url + "/sgl_spec/cache", timeout=30)
+def cache_summary(url: str, key: str | None = None) -> dict:
+    r = requests.get(url + "/sgl_spec/cache", headers=_auth(key), timeout=30)
     r.raise_for_status()
     return r.json()
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def chatml_tokens(hf_tok, role: str, content: str) -> int:
@@ -97,13 +104,14 @@ def test_endpoint_reports_frontend_rounds(spec_server, hf_tok, max_tokens):
 # ---- a reasoning-style conversation under --spec-cache-eviction turn -----------
 
 POOL = 1024
+KEY = "sgl-spec-test-key"  # this server also runs with sglang's --api-key
 
 
 def _turn_flags(model_path: str) -> list[str]:
     return ["--model-path", model_path, *COMMON_FLAGS,
             "--chat-template", str(DATA / "chatml_reasoning.jinja"),
             "--reasoning-parser", "qwen3", "--spec-cache-eviction", "turn",
-            "--max-total-tokens", str(POOL), "--enable-metrics"]
+            "--max-total-tokens", str(POOL), "--enable-metrics", "--api-key", KEY]
 
 
 EARLY_SERVERS["turn_server"] = Early(SPEC, _turn_flags)  # boots with the unit tests
@@ -117,7 +125,7 @@ def turn_server(model_path):
 def _generate(url: str, ids: list[int]) -> dict:
     r = requests.post(url + "/generate", json={
         "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-        timeout=300)
+        headers=_auth(KEY), timeout=300)
     r.raise_for_status()
     return r.json()
 
@@ -140,7 +148,7 @@ def test_dead_reasoning_branches_are_evicted_first(turn_server, hf_tok):
         thought = f"<think>\nThe user asks sum number {i}. " + "Let me add. " * 8 + "\n</think>\n\n"
         msgs.append({"role": "assistant", "content": thought + f"It is {2 * (i + 2)}."})
         _generate(turn_server.url, ids(msgs))
-    s = cache_summary(turn_server.url)
+    s = cache_summary(turn_server.url, KEY)
     dead = [b for b in s["branches"] if b["dead_reasoning"]]
     assert len(dead) == 3
     for b in dead:  # each holds one round's reasoning (and the answer after it)
@@ -156,7 +164,7 @@ def test_dead_reasoning_branches_are_evicted_first(turn_server, hf_tok):
     filler = hf_tok.encode(" filler words" * 2000, add_special_tokens=False)
     need = POOL - cached + dead_tokens // 2 - 8
     _generate(turn_server.url, filler[:need])
-    s = cache_summary(turn_server.url)
+    s = cache_summary(turn_server.url, KEY)
     freed = s["freed_tokens_by_rule"]
     assert 0 < freed["dead_reasoning"] <= dead_tokens
     assert freed["inactive_conversation"] == 0 and freed["lru"] == 0
@@ -164,7 +172,7 @@ def test_dead_reasoning_branches_are_evicted_first(turn_server, hf_tok):
     # A request that needs more than every dead branch: all dead tokens are
     # freed, then whole inactive conversations.
     _generate(turn_server.url, filler[1000:1000 + POOL - 64])
-    s = cache_summary(turn_server.url)
+    s = cache_summary(turn_server.url, KEY)
     freed = s["freed_tokens_by_rule"]
     assert freed["dead_reasoning"] == dead_tokens
     assert freed["inactive_conversation"] > 0
@@ -172,13 +180,13 @@ def test_dead_reasoning_branches_are_evicted_first(turn_server, hf_tok):
 
 
 def test_prometheus_metrics_beside_sglangs(turn_server):
-    text = requests.get(turn_server.url + "/metrics", timeout=30).text
+    text = requests.get(turn_server.url + "/metrics", timeout=30).text  # open, as sglang's
     assert "sglang:num_running_reqs" in text
     gauges = {
         line.split(" ")[0]: float(line.split(" ")[1])
         for line in text.splitlines() if line.startswith("sgl_spec:cached_tokens{")
     }
-    s = cache_summary(turn_server.url)
+    s = cache_summary(turn_server.url, KEY)
     device = gauges['sgl_spec:cached_tokens{role="all",tier="device"}']
     assert device == s["totals"]["by_tier"]["device"] > 0
     for role in ("system", "user", "assistant"):
@@ -188,3 +196,51 @@ def test_prometheus_metrics_beside_sglangs(turn_server):
     for rule, n in s["freed_tokens_by_rule"].items():
         assert f'sgl_spec:evicted_tokens_total{{rule="{rule}"}} {float(n)}' in text
     assert s["freed_tokens_by_rule"]["dead_reasoning"] > 0
+
+
+# ---- access: sglang's --api-key ------------------------------------------------------
+
+def _status(url: str, path: str, key: str | None) -> int:
+    return requests.get(url + path, headers=_auth(key), timeout=60).status_code
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", KEY], ids=["no-key", "wrong-key", "key"])
+def test_spec_route_needs_the_key_as_sglangs_routes_do(turn_server, key):
+    """``/sgl_spec/cache`` answers as ``/server_info`` (sglang's read-only state route,
+    the same auth level) does for each key; ``/metrics`` (sgl_spec's gauges beside
+    sglang's) stays open, as sglang keeps it for Prometheus."""
+    url = turn_server.url
+    ours, theirs = _status(url, "/sgl_spec/cache", key), _status(url, "/server_info", key)
+    assert ours == theirs == (200 if key == KEY else 401)
+    assert _status(url, "/metrics", key) == 200
+
+
+def test_nothing_spec_adds_shows_prompt_text(turn_server, hf_tok):
+    """A prompt with a canary: neither the cache route, nor sgl_spec's part of
+    ``/server_info``, nor sgl_spec's metrics carry its text or its token ids."""
+    canary = f"zebra{uuid.uuid4().hex[:10]}quartz"
+    ids = hf_tok.encode(f"<|im_start|>user\nRemember {canary}.<|im_end|>\n<|im_start|>"
+                        "assistant\n", add_special_tokens=False)
+    _generate(turn_server.url, ids)
+    summary = cache_summary(turn_server.url, KEY)
+    assert summary["totals"]["by_tier"]["device"] >= len(ids)    # it is cached
+    info = requests.get(turn_server.url + "/server_info", headers=_auth(KEY), timeout=60).json()
+    ours = [s["sgl_spec_cache"] for s in info["internal_states"] if "sgl_spec_cache" in s]
+    metrics = [line for line in requests.get(turn_server.url + "/metrics", timeout=30)
+               .text.splitlines() if line.startswith("sgl_spec")]
+    canary_ids = hf_tok.encode(canary, add_special_tokens=False)
+    for shown in (summary, ours, metrics):
+        text = json.dumps(shown)
+        assert canary not in text and "zebra" not in text
+        assert not _has_run(shown, canary_ids)
+
+
+def _has_run(obj, run: list[int]) -> bool:
+    """Whether any list of ints in ``obj`` contains ``run`` contiguously."""
+    if isinstance(obj, dict):
+        return any(_has_run(v, run) for v in obj.values())
+    if isinstance(obj, list):
+        if len(obj) >= len(run) and all(isinstance(x, int) for x in obj):
+            return any(obj[i:i + len(run)] == run for i in range(len(obj) - len(run) + 1))
+        return any(_has_run(v, run) for v in obj)
+    return False
