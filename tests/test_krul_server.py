@@ -3,6 +3,7 @@ restored from it; a corrupted one is recomputed, never served."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,17 @@ MAX_NEW_TOKENS = 12
 
 
 def _stats(model_path: str) -> str:
-    """The quick form of the model's attention statistics, measured once per session
-    (in a subprocess: this runs in conftest's launch thread, beside the unit tests)."""
-    out = early_dir("krul") / "stats.json"
-    if not out.exists():
+    """The quick form of the model's attention statistics, measured once into the cache
+    dir (reused by later runs), in a subprocess: this runs in conftest's launch thread,
+    beside the unit tests."""
+    from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
+
+    out = stats_path(model_path, CalibrationConfig.quick())
+    if not os.path.exists(out):
         subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "strategy", "--quick",
-                        "--model-path", model_path, "--out", str(out)],
+                        "--model-path", model_path, "--out", out],
                        check=True, capture_output=True, timeout=600)
-    return str(out)
+    return out
 
 
 def _args(model_path: str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -466,3 +467,43 @@ class TestSmallBudget:
         assert delta(after, before, SPARSE) == 0 and delta(after, before, RESELECT) == 0
         assert 23 <= delta(after, before, EXACT) <= 24
         assert after["sgl_spec:sparse_live_states"] == 0
+
+    def test_aborted_streams_free_their_states(self, small_budget_server):
+        """Streams cut by the client at seeded random points (some before their first
+        token, some mid-decode, sparse past step 16), then the server: every sparse
+        state freed, and a greedy request over the cached prompt answers as the same
+        request did before the aborts."""
+        import random
+        import threading
+
+        url = small_budget_server.url
+        prompt = chatml("What does this module do?\n" + _doc("json", 1500))
+        generate(url, prompt, 1)                      # cache the prompt: every run below
+        reference = generate(url, prompt, 24)["output_ids"]   # extends over the same prefix
+        rng = random.Random(18)
+        cut_after = [rng.choice([0, 1, 8, 20, 30]) for _ in range(8)]  # chunks read
+
+        def stream_and_drop(n_chunks: int, i: int) -> None:
+            body = {"text": prompt + f" ({i})", "stream": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 64,
+                                        "ignore_eos": True}}
+            with requests.post(url + "/generate", json=body, stream=True, timeout=300) as r:
+                for k, _ in enumerate(r.iter_lines()):
+                    if k >= n_chunks:
+                        break          # leaving the block closes the connection
+
+        threads = [threading.Thread(target=stream_and_drop, args=(n, i))
+                   for i, n in enumerate(cut_after)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        live = None
+        for _ in range(60):        # the scheduler sees the disconnects within a step or two
+            live = sparse_metrics(url)["sgl_spec:sparse_live_states"]
+            if live == 0:
+                break
+            time.sleep(1)
+        assert live == 0
+        assert generate(url, prompt, 24)["output_ids"] == reference
+        assert sparse_metrics(url)["sgl_spec:sparse_live_states"] == 0

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_dir, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
@@ -22,16 +22,17 @@ ROWS = SINK + BUDGET + WINDOW  # staged per request, layer and KV head
 
 
 def _head(model_path: str) -> str:
-    """The quick form of the head, trained once per session (in a subprocess: this
-    runs in conftest's launch thread, beside the unit tests)."""
-    from sgl_spec.train_head import is_prepared
+    """The quick form of the head, trained once into the cache dir like a user's default
+    head (reused by later runs), in a subprocess: this runs in conftest's launch thread,
+    beside the unit tests."""
+    from sgl_spec.head.train import TrainConfig
+    from sgl_spec.train_head import head_dir, is_prepared
 
-    out = early_dir("specontext_server") / "head"
-    if not is_prepared(str(out)):
+    out = head_dir(model_path, TrainConfig.quick())
+    if not is_prepared(out):
         subprocess.run([sys.executable, "-m", "sgl_spec.train_head", "--model-path", model_path,
-                        "--out", str(out), "--quick"], check=True, capture_output=True,
-                       timeout=600)
-    return str(out)
+                        "--out", out, "--quick"], check=True, capture_output=True, timeout=600)
+    return out
 
 
 def _flags(model_path: str) -> list[str]:
