@@ -118,9 +118,10 @@ def _loopserve_flags(model_path: str) -> list[str]:
 
 class Early(NamedTuple):
     """A shared server: ``flags(model_path)`` may prepare what the flags name (a head,
-    statistics), in subprocesses only (it runs in the launch thread, beside the unit
-    tests); ``env(model_path)`` adds environment variables; ``early_dir(name)`` holds
-    what the server writes (storage)."""
+    statistics), in subprocesses only and importing nothing (it runs in the launch
+    thread, beside the unit tests: an import there changes sys.modules while pytest
+    iterates it); ``env(model_path)`` adds environment variables; ``early_dir(name)``
+    holds what the server writes (storage)."""
 
     module: str
     flags: Callable[[str], list[str]]

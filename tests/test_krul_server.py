@@ -14,6 +14,7 @@ import requests
 from conftest import EARLY_SERVERS, Early, early_dir, early_server
 from sgl_spec import boot
 from sgl_spec.bench.server import SPEC, flush_cache
+from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(boot.cuda_host(), reason="Krul's host pool: CPU I/O only")]
@@ -25,9 +26,7 @@ MAX_NEW_TOKENS = 12
 def _stats(model_path: str) -> str:
     """The quick form of the model's attention statistics, measured once into the cache
     dir (reused by later runs), in a subprocess: this runs in conftest's launch thread,
-    beside the unit tests."""
-    from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
-
+    beside the unit tests (no imports here: they would change sys.modules under pytest)."""
     out = stats_path(model_path, CalibrationConfig.quick())
     if not os.path.exists(out):
         subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "strategy", "--quick",

@@ -15,6 +15,8 @@ import pytest
 from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
+from sgl_spec.head.train import TrainConfig
+from sgl_spec.train_head import head_dir, is_prepared
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
 
 BUDGET, SINK, WINDOW = 64, 4, 64
@@ -24,10 +26,7 @@ ROWS = SINK + BUDGET + WINDOW  # staged per request, layer and KV head
 def _head(model_path: str) -> str:
     """The quick form of the head, trained once into the cache dir like a user's default
     head (reused by later runs), in a subprocess: this runs in conftest's launch thread,
-    beside the unit tests."""
-    from sgl_spec.head.train import TrainConfig
-    from sgl_spec.train_head import head_dir, is_prepared
-
+    beside the unit tests (no imports here: they would change sys.modules under pytest)."""
     out = head_dir(model_path, TrainConfig.quick())
     if not is_prepared(out):
         subprocess.run([sys.executable, "-m", "sgl_spec.train_head", "--model-path", model_path,

@@ -10,6 +10,7 @@ sgl_spec.launch_server``, both from this environment's interpreter.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import psutil
 import requests
 
 STOCK = "sglang.launch_server"
@@ -62,9 +64,9 @@ def flush_cache(url: str, attempts: int = 20) -> None:
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL the launcher when its parent dies (Linux prctl), so a
     killed test run or benchmark leaves no server spinning on the CPU. sglang's
-    scheduler and detokenizer die with the launcher (they set the same signal)."""
-    import ctypes
-
+    scheduler and detokenizer die with the launcher (they set the same signal). It
+    imports nothing: it runs in the forked child, where an import could wait on a lock
+    another thread of the parent held at the fork."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -159,8 +161,6 @@ class ServerProcess:
         )
 
     def _sample_memory(self) -> None:
-        import psutil
-
         while not self._stop_sampler.wait(0.5):
             try:
                 root = psutil.Process(self.proc.pid)
