@@ -62,6 +62,7 @@ class KrulHostPool(MHATokenToKVPoolHost):
                                      self.head_dim, self.dtype, codec)
         self.arena = Arena(slots, self.layer_num, rows, self.head_num, self.head_dim,
                            self.dtype, codec=codec)
+        self.bad_pages = 0  # storage pages that failed their checksum (logged at 1, 2, 4, ...)
         self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
         logger.info("sgl_spec krul: host arena of %d %s rows (%d tokens at every layer) and "
@@ -131,7 +132,7 @@ class KrulHostPool(MHATokenToKVPoolHost):
         if not ok:
             # One line for the first damaged page, then at 2, 4, 8, ... (a damaged file
             # tier fails every page of a conversation).
-            self.bad_pages = getattr(self, "bad_pages", 0) + 1
+            self.bad_pages += 1
             if self.bad_pages & (self.bad_pages - 1) == 0:
                 logger.warning("sgl_spec krul: a storage page at host slot %d failed its "
                                "checksum (%d so far); a load that reaches a damaged page is "

@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from .arena import Arena
@@ -132,7 +133,7 @@ def measure_load(shape: ModelShape, tokens: int, dtype: torch.dtype, codec: str,
 
             def from_file():
                 for s, path in zip(slots.tolist(), paths):
-                    page = torch.from_numpy(_read(path))
+                    page = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
                     if not arena.load(torch.tensor([s]), page):
                         raise RuntimeError(f"page {path} failed its checksum")
                 to_device()
@@ -149,12 +150,6 @@ def load_into(arena: Arena, slots: torch.Tensor, dev_k: list[torch.Tensor],
         k, v, _ = arena.read(layer, slots)
         dev_k[layer][dev_idx] = k.to(dev_idx.device, non_blocking=True)
         dev_v[layer][dev_idx] = v.to(dev_idx.device, non_blocking=True)
-
-
-def _read(path: str):
-    import numpy as np
-
-    return np.fromfile(path, dtype=np.uint8)
 
 
 def hardware(device: torch.device) -> str:
