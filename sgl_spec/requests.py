@@ -13,12 +13,19 @@ different sglang factories, so they meet here:
   request (the next turn, the next chunk) matches or continues that path, the cache
   ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
 
+* live counts: every per-request structure of the process registers a counter
+  (``add_live_source``); ``live()`` reads them all, for ``GET /sgl_spec/cache`` and the
+  ``sgl_spec:live_request_states`` gauge, so that a test or the soak harness can check
+  that finished, aborted and retracted requests leave nothing behind.
+
 Not thread-safe: the scheduler thread makes every call. Nothing outlives a release;
-seeds are also dropped once read. At most ``MAX_KEPT`` offers and as many seeds are
-kept, oldest dropped first: a request matched in the queue and aborted there is never
-released, and offered lines have no taker where the cache is not sgl_spec's tagged
-tree (``--disable-radix-cache``, another ``--radix-cache-backend``) or where sglang
-keeps a streaming session's row without releasing it.
+seeds are also dropped once read, and when unread after ``SEED_TTL`` forward passes
+(``tick``): a request matched in the waiting queue and aborted there is never released,
+and sglang matches a request again in the round that runs its extend. At most
+``MAX_KEPT`` offers and as many seeds are kept, oldest dropped first: offered lines have
+no taker where the cache is not sgl_spec's tagged tree (``--disable-radix-cache``,
+another ``--radix-cache-backend``) or where sglang keeps a streaming session's row
+without releasing it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 MAX_KEPT = 4096  # offers, and seeds, kept at most (oldest dropped)
+SEED_TTL = 8  # forward passes an unread seed is kept (match and extend share a round)
 
 
 class Lines(NamedTuple):
@@ -42,6 +50,9 @@ class RequestHub:
         self._listeners: list[Callable[[str], None]] = []
         self._offered: OrderedDict[str, Lines] = OrderedDict()
         self._seeds: OrderedDict[str, Lines] = OrderedDict()
+        self._seeded_at: dict[str, int] = {}  # rid -> pass its seeds were set in
+        self._pass = 0
+        self._live: dict[str, Callable[[], int]] = {}
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:
@@ -51,12 +62,37 @@ class RequestHub:
         if fn in self._listeners:
             self._listeners.remove(fn)
 
+    def add_live_source(self, name: str, count: Callable[[], int]) -> None:
+        """``count()``: how many requests the structure ``name`` holds state for now
+        (a later source of the same name replaces it)."""
+        self._live[name] = count
+
+    def live(self) -> dict[str, int]:
+        """Per structure, the requests it holds state for (all 0 once every request has
+        finished or been aborted, and seeds have expired)."""
+        out = {"prefill_lines_offered": len(self._offered), "prefill_seeds": len(self._seeds)}
+        out.update((name, int(count())) for name, count in self._live.items())
+        return out
+
+    def tick(self) -> None:
+        """One forward pass began: drop seeds unread for ``SEED_TTL`` passes."""
+        self._pass += 1
+        if self._seeds:
+            cutoff = self._pass - SEED_TTL
+            for rid in [r for r, at in self._seeded_at.items() if at < cutoff]:
+                self._seeds.pop(rid, None)
+                del self._seeded_at[rid]
+
     def release(self, rid: str) -> None:
         """The request's KV row is given back: drop everything kept for it."""
         self._offered.pop(rid, None)
-        self._seeds.pop(rid, None)
+        self._drop_seeds(rid)
         for fn in self._listeners:
             fn(rid)
+
+    def _drop_seeds(self, rid: str) -> Lines | None:
+        self._seeded_at.pop(rid, None)
+        return self._seeds.pop(rid, None)
 
     def offer_lines(self, rid: str, lines: Lines) -> None:
         _put(self._offered, rid, lines)
@@ -70,13 +106,16 @@ class RequestHub:
         return lines
 
     def set_seeds(self, rid: str, lines: Lines | None) -> None:
-        self._seeds.pop(rid, None)
+        self._drop_seeds(rid)
         if lines is not None:
             _put(self._seeds, rid, lines)
+            self._seeded_at[rid] = self._pass
+            if len(self._seeded_at) > len(self._seeds):  # _put dropped the oldest
+                self._seeded_at = {r: self._seeded_at[r] for r in self._seeds}
 
     def seeds(self, rid: str, prefix_len: int) -> Lines | None:
         """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens (read once)."""
-        lines = self._seeds.pop(rid, None)
+        lines = self._drop_seeds(rid)
         return lines if lines is not None and lines.end <= prefix_len else None
 
     def __len__(self) -> int:

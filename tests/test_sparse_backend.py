@@ -16,6 +16,7 @@ import pytest
 import requests
 import torch
 
+from _aborts import abort_streams, live_requests, wait_until_freed
 from _sparse import SHAPE, FakePool, decode_step
 from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.attention.batch import BatchView
@@ -474,7 +475,6 @@ class TestSmallBudget:
         state freed, and a greedy request over the cached prompt answers as the same
         request did before the aborts."""
         import random
-        import threading
 
         url = small_budget_server.url
         prompt = chatml("What does this module do?\n" + _doc("json", 1500))
@@ -482,28 +482,10 @@ class TestSmallBudget:
         reference = generate(url, prompt, 24)["output_ids"]   # extends over the same prefix
         rng = random.Random(18)
         cut_after = [rng.choice([0, 1, 8, 20, 30]) for _ in range(8)]  # chunks read
-
-        def stream_and_drop(n_chunks: int, i: int) -> None:
-            body = {"text": prompt + f" ({i})", "stream": True,
-                    "sampling_params": {"temperature": 0, "max_new_tokens": 64,
-                                        "ignore_eos": True}}
-            with requests.post(url + "/generate", json=body, stream=True, timeout=300) as r:
-                for k, _ in enumerate(r.iter_lines()):
-                    if k >= n_chunks:
-                        break          # leaving the block closes the connection
-
-        threads = [threading.Thread(target=stream_and_drop, args=(n, i))
-                   for i, n in enumerate(cut_after)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        live = None
-        for _ in range(60):        # the scheduler sees the disconnects within a step or two
-            live = sparse_metrics(url)["sgl_spec:sparse_live_states"]
-            if live == 0:
-                break
-            time.sleep(1)
-        assert live == 0
-        assert generate(url, prompt, 24)["output_ids"] == reference
+        abort_streams(url, [prompt + f" ({i})" for i in range(8)], cut_after)
+        live = wait_until_freed(url)
+        assert live == {"prefill_lines_offered": 0, "prefill_seeds": 0, "decode_states": 0,
+                        "policy_states": 0, "policy_slots": 0}
         assert sparse_metrics(url)["sgl_spec:sparse_live_states"] == 0
+        assert generate(url, prompt, 24)["output_ids"] == reference
+        assert not any(live_requests(url).values())

@@ -219,6 +219,27 @@ def test_seeds_and_offers_are_bounded(monkeypatch):
     assert hub.take_lines("z", 5) is not None
 
 
+def test_unread_seeds_expire_and_live_counts_every_structure():
+    """A request matched in the queue and aborted there is never released: its seeds go
+    after SEED_TTL passes; a request re-matched in the round of its extend keeps them."""
+    from sgl_spec.requests import SEED_TTL
+
+    hub, states = RequestHub(), {"r1": 0, "r2": 0}
+    hub.add_live_source("decode_states", lambda: len(states))
+    hub.set_seeds("aborted", Lines(1, {}))
+    hub.offer_lines("r1", Lines(1, {}))
+    assert hub.live() == {"prefill_lines_offered": 1, "prefill_seeds": 1, "decode_states": 2}
+    for _ in range(SEED_TTL):
+        hub.tick()
+    hub.set_seeds("waiting", Lines(1, {}))  # matched again just before its extend
+    hub.tick()
+    assert hub.live()["prefill_seeds"] == 1 and hub.seeds("waiting", 5) is not None
+    hub.release("r1")
+    states.clear()
+    assert hub.live() == {"prefill_lines_offered": 0, "prefill_seeds": 0, "decode_states": 0}
+    assert len(hub) == 0
+
+
 def test_release_listeners_are_called_once_each():
     hub, seen = RequestHub(), []
     hub.add_release_listener(seen.append)

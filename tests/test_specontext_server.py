@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from _aborts import abort_streams, wait_until_freed
 from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
@@ -102,6 +103,29 @@ class TestSpeContextServer:
         assert delta(after, before, SPARSE) == 0
         assert 23 <= delta(after, before, EXACT) <= 24
         assert after["sgl_spec:sparse_live_states"] == 0
+
+    def test_aborted_and_retracted_streams_free_their_states(self, server):
+        """Four ~600-token prompts at once in a pool of 1400 tokens (queued, retracted,
+        evicted to the host tier), cut by the client at seeded points: every head-driven
+        decode state and slot is freed, and a greedy request answers as before."""
+        import random
+
+        probe = chatml("What does this module do?\n" + _doc("json", 2500))
+        generate(server.url, probe, 1)  # cached: before and after, the prompt's last token
+        reference = generate(server.url, probe, 24, ignore_eos=True)["output_ids"]
+        rng = random.Random(7)
+        cut_after = [rng.choice([0, 1, 10, 30]) for _ in range(4)]
+        prompts = [chatml(f"Summarize it ({i}).\n" + _doc(m, 2500))
+                   for i, m in enumerate(["argparse", "logging", "csv", "random"])]
+        abort_streams(server.url, prompts, cut_after, max_new_tokens=40)
+        live = wait_until_freed(server.url)
+        assert live == {"prefill_lines_offered": 0, "prefill_seeds": 0, "decode_states": 0,
+                        "policy_states": 0, "policy_slots": 0}
+        # Evicted past the host tier, the probe is recomputed: cache it again first, so
+        # that, as for the reference, only its last token is computed with the answer.
+        generate(server.url, probe, 1)
+        assert generate(server.url, probe, 24, ignore_eos=True)["output_ids"] == reference
+        assert sparse_metrics(server.url)["sgl_spec:sparse_live_states"] == 0
 
 
 @pytest.mark.server

@@ -50,6 +50,9 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
                       pool_layers=pool_layers)
     if policy is not None:
         HUB.add_release_listener(decoder.release)
+        HUB.add_live_source("decode_states", lambda: decoder.live_states)
+        HUB.add_live_source("policy_states", lambda: policy.live_states)
+        HUB.add_live_source("policy_slots", lambda: len(policy.slots))
     prefill = None
     if cfg.prefill.mode != "exact":
         prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)

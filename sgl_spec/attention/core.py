@@ -43,6 +43,8 @@ class AttentionCore:
         self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
 
     def plan(self, batch: BatchView) -> AttentionPlan:
+        if self.prefill is not None:
+            self.prefill.hub.tick()  # unread seeds expire (requests aborted in the queue)
         if self.head is not None:
             self.head.begin_pass(batch)
         if batch.mode == "decode":

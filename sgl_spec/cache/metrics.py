@@ -37,6 +37,13 @@ class CacheMetrics:
         )
         for rule in RULES:
             self.evicted_tokens.labels(rule=rule)
+        self.live_states = Gauge(
+            name="sgl_spec:live_request_states",
+            documentation="Requests a per-request structure holds state for (decode "
+            "policy states and slots, LoopServe's offered lines and seeds); 0 when idle.",
+            labelnames=("structure",),
+            multiprocess_mode="mostrecent",
+        )
 
     def due(self, force: bool = False) -> bool:
         """Whether a refresh is due (and, if so, that one is happening now)."""
@@ -46,7 +53,10 @@ class CacheMetrics:
         self._last = now
         return True
 
-    def update(self, totals: dict, freed_by_rule: dict[str, int]) -> None:
+    def update(self, totals: dict, freed_by_rule: dict[str, int],
+               live: dict[str, int] | None = None) -> None:
+        for structure, n in (live or {}).items():
+            self.live_states.labels(structure=structure).set(n)
         for role in (*ROLES, "reasoning", "untagged"):
             self.cached_tokens.labels(role=role, tier="all").set(totals["by_role"].get(role, 0))
         for tier, n in totals["by_tier"].items():

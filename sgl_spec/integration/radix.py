@@ -111,7 +111,8 @@ class SpecRadixCache(UnifiedRadixCache):
         return getattr(self.tree_core, "freed_by_rule", {"lru": self._evicted_lru})
 
     def _update_metrics(self) -> None:
-        self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed())
+        self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed(),
+                                 HUB.live())
 
     def summary(self) -> dict:
         """The tree summary served at ``GET /sgl_spec/cache``."""
@@ -119,8 +120,9 @@ class SpecRadixCache(UnifiedRadixCache):
         out = summary(segs, self.turn_format, tree_core=self.tree_core_name,
                       eviction=self.spec_cfg.cache.eviction, freed_by_rule=self._freed(),
                       dead=self._dead())
+        out["live_requests"] = HUB.live()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
-            self.spec_metrics.update(out["totals"], self._freed())
+            self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"])
         return out
 
     def _dead(self) -> dict[int, int] | None:
