@@ -32,6 +32,10 @@ if os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") == "1":
 from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 
+# SGLang's own test files, where a user put them (tests/upstream/SOURCES.md), are run by
+# python -m sgl_spec.integration.upstream_tests, not by this suite.
+collect_ignore = ["upstream"]
+
 # Flags both servers share (the benchmarks' own), so that only the sgl_spec
 # components differ; idle schedulers sleep so two servers leave the 2 cores free.
 # A KV pool of 16384 tokens (twice the model's window) rather than the benchmarks'

@@ -9,7 +9,7 @@ build. Writes ``upstream.json`` (test id -> configuration -> outcome) and
 stock's Python core fails on an sgl_spec configuration without an entry in
 ``DELIBERATE`` (the documented differences, each with its reason).
 
-The upstream files are not in this repository (see ``tests_upstream/SOURCES.md``):
+The upstream files are not in this repository (see ``tests/upstream/SOURCES.md``):
 nothing is downloaded at run time; ``--tests`` names the folder that holds them.
 """
 
@@ -30,7 +30,7 @@ from .upstream_plugin import CONFIGS, ENV
 
 BASELINE = "stock-python"
 SPEC_CONFIGS = tuple(c for c in CONFIGS if c.startswith(("spec", "tagged")))
-DEFAULT_TESTS = Path(__file__).resolve().parents[2] / "tests_upstream" / "sglang"
+DEFAULT_TESTS = Path(__file__).resolve().parents[2] / "tests" / "upstream" / "sglang"
 
 # The stock core each sgl_spec configuration runs on: spec-lru (default flags) is
 # sglang's compiled core plus token recording, so a test the compiled core itself
@@ -48,7 +48,7 @@ def _run_one(config: str, tests: Path, out: Path) -> dict[str, str]:
     """Outcomes (passed/failed/error/skipped) of every test id under ``config``."""
     xml = out / f"junit-{config}.xml"
     env = {**os.environ, ENV: config,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(DEFAULT_TESTS.parents[1]),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(DEFAULT_TESTS.parents[2]),
                                                        os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "sgl_spec.integration.upstream_plugin", "-o", "addopts=",
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="pytest processes at once")
     args = ap.parse_args(argv)
     if not sorted(args.tests.glob("test_*.py")):
-        ap.error(f"--tests {args.tests}: no test_*.py files; tests_upstream/SOURCES.md "
+        ap.error(f"--tests {args.tests}: no test_*.py files; tests/upstream/SOURCES.md "
                  "says which files and commits to put there")
     out = args.out or Path(tempfile.mkdtemp(prefix="upstream-tests-"))
     out.mkdir(parents=True, exist_ok=True)
