@@ -13,7 +13,9 @@ Rows (``ROWS``): ``stock``, ``exact``, ``sparse`` (``--spec-mode loopserve --spe
 loopserve``), ``specontext``; and, for memory pressure, ``exact-pressure`` and
 ``exact-pressure-hicache``: the KV pool at ``--pressure`` (default 25%) of the workload's
 working set, without and with HiCache, so that eviction, write-back and reload churn all
-the time. The other rows get a pool that holds the working set. Greedy answers of every
+the time. The other rows get a pool that holds the working set (an upper-bound estimate,
+``working_set``); where the reference row ran first without evicting, the pressure pool is
+a share of what it measured (``measured_working_set``). Greedy answers of every
 row are compared with ``--reference``'s (default ``exact``) on the visits both completed
 (the same prompts), divergences with their logit margin::
 
@@ -64,6 +66,17 @@ def working_set(clients: int, mix: Mix) -> int:
     """Tokens of KV the clients keep live at once: each a document-sized prompt and its
     answer, or its growing conversation (the larger)."""
     return clients * (max(DOC_TOKENS[1], mix.grow_limit) + mix.longgen_tokens)
+
+
+def measured_working_set(samples: list[dict]) -> int | None:
+    """Peak KV the workload kept on the device in a run that never evicted: tokens in
+    the tree plus those running requests hold (an upper bound: locked tree tokens count
+    twice); None without sgl_spec's endpoint or where the run evicted."""
+    peaks = [s["cached_by_tier"].get("device", 0) + s.get("sglang:num_used_tokens", 0)
+             for s in samples if s.get("cached_by_tier")]
+    if not peaks or any(s.get("evicted_tokens") for s in samples):
+        return None
+    return int(max(peaks))
 
 
 def server_rss(server: ServerProcess) -> int:
@@ -234,7 +247,8 @@ def markdown(results: dict) -> str:
                      f"NO {s['end_live']}", agree])
     meta = results["meta"]
     lines = [f"# Soak: {results['clients']} clients x {results['minutes']} min per row", "",
-             f"Working set ~{results['working_set_tokens']} tokens; pressure pool "
+             f"Working set ~{results['working_set_tokens']} tokens (estimate; the reference row "
+             f"measured {results['measured_working_set_tokens']}); pressure pool "
              f"{results['pressure_pool_tokens']}. Run {meta.get('duration_s', 0):.0f} s.", "",
              *render.table(head, body), "",
              "Requests per kind and status:", ""]
@@ -292,13 +306,20 @@ def main(argv: list[str] | None = None) -> None:
     pressure_pool = max(int(args.pressure * ws), 4096)  # the largest visit fits
     meta, watch = cli.start_meta(model, argv=argv)
     order = sorted(args.rows, key=lambda n: n != args.reference)  # reference first
-    rows = [run_row(n, model, args, docs, mix, pressure_pool if "pressure" in n else ws)
-            for n in order]
+    rows = []
+    for name in order:
+        if "pressure" in name and rows and rows[0]["name"] == args.reference:
+            measured = measured_working_set(rows[0]["samples"])
+            if measured:  # the reference's own peak, where it ran first and unpressured
+                pressure_pool = max(int(args.pressure * measured), 4096)
+        rows.append(run_row(name, model, args, docs, mix,
+                            pressure_pool if "pressure" in name else ws))
     ref = next((r for r in rows if r["name"] == args.reference), None)
     for r in rows:
         r["summary"] = summarize(r, args.warmup_minutes * 60, ref)
     results = {"meta": cli.finish_meta(meta, watch), "clients": args.clients,
                "minutes": args.minutes, "reference": args.reference, "working_set_tokens": ws,
+               "measured_working_set_tokens": rows and measured_working_set(rows[0]["samples"]),
                "pressure_pool_tokens": pressure_pool, "rows": rows}
     paths = cli.write_results(args.out, results, markdown(results))
     paths.append(plot(results, f"{args.out}/soak.png"))
