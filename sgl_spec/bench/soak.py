@@ -10,7 +10,8 @@ finish), one probe request runs, and the per-request structures must be back to 
 RSS (all its processes), KV pool use and queue (``/metrics``), and the live structures.
 
 Rows (``ROWS``): ``stock``, ``exact``, ``sparse`` (``--spec-mode loopserve --spec-prefill
-loopserve``), ``specontext``; and, for memory pressure, ``exact-pressure`` and
+loopserve``), ``specontext`` (both from 512 tokens of context, so that most visits take the
+sparse paths); and, for memory pressure, ``exact-pressure`` and
 ``exact-pressure-hicache``: the KV pool at ``--pressure`` (default 25%) of the workload's
 working set, without and with HiCache, so that eviction, write-back and reload churn all
 the time. The other rows get a pool that holds the working set (an upper-bound estimate,
@@ -52,8 +53,10 @@ HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
 ROWS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (launcher module, flags)
     "stock": (STOCK, tuple(configset.LAUNCHERS["stock"].flags)),
     "exact": (SPEC, ()),
-    "sparse": (SPEC, ("--spec-mode", "loopserve", "--spec-prefill", "loopserve")),
-    "specontext": (SPEC, ("--spec-mode", "specontext")),
+    # Thresholds at 512 (defaults 2048) so that most visits take the sparse paths.
+    "sparse": (SPEC, ("--spec-mode", "loopserve", "--spec-prefill", "loopserve",
+                      "--spec-min-context", "512", "--spec-prefill-min-tokens", "512")),
+    "specontext": (SPEC, ("--spec-mode", "specontext", "--spec-min-context", "512")),
     "exact-pressure": (SPEC, ()),
     "exact-pressure-hicache": (SPEC, HICACHE),
 }
