@@ -24,6 +24,7 @@ import logging
 import os
 
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
+from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
     get_tree_core_factory,
     register_tree_core_backend,
@@ -142,6 +143,11 @@ class TaggedRadixCache(SpecRadixCache):
                            TREE_CORE)
         params.tree_core_backend = TREE_CORE
         params.sgl_spec_turns = (fmt, cfg.cache.eviction)
+        if ComponentType.SWA in params.tree_components:
+            from .swa import COMPONENTS  # window steps over stock's node boundaries
+
+            params.component_registry_override = {
+                **(params.component_registry_override or {}), **COMPONENTS}
         self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse
         super().__init__(params, fmt, cfg)
         self.krul = None

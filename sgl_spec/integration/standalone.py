@@ -3,6 +3,8 @@
 * ``build_cache``: radix caches over identical CPU pools: stock sglang's
   UnifiedRadixCache (its default compiled tree core, or ``tree_core``), and sgl_spec's
   cache with default flags or a turn-tagged core (``SpecConfig``);
+* ``build_swa_cache``: the same over a sliding-window (FULL + SWA) configuration,
+  pools built by sglang's own unified-radix-cache unit-test kit;
 * ``radix_key``, ``InsertParams``, ``MatchPrefixParams``, ``EvictParams``: what to
   drive them with;
 * ``torch_native_decode``: stock torch_native's decode call, the baseline of the
@@ -25,7 +27,7 @@ from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig
 
 __all__ = ["EvictParams", "InsertParams", "MatchPrefixParams", "KINDS", "build_cache",
-           "radix_key", "torch_native_decode"]
+           "build_swa_cache", "radix_key", "torch_native_decode"]
 
 KINDS = ("stock", "spec", "tagged")
 
@@ -68,6 +70,35 @@ def build_cache(kind: str, size: int, fmt: TurnFormat | None = None,
                              tree_core_backend=tree_core, eviction_policy=eviction_policy)
     if kind == "stock":
         return UnifiedRadixCache(params), alloc
+    cfg = cfg or SpecConfig()
+    cls = TaggedRadixCache if cfg.tagged_cache or kind == "tagged" else SpecRadixCache
+    return cls(params, fmt, cfg), alloc
+
+
+def build_swa_cache(kind: str, size: int, window: int, fmt: TurnFormat | None = None,
+                    cfg: SpecConfig | None = None, eviction_policy: str = "lru"):
+    """(cache, allocator) over a FULL + SWA ``size``-token pool (page size 1) with a
+    ``window``-token sliding window, as ``build_cache``. Pools and params come from
+    sglang's unit-test kit (``sglang.test.kits.unified_radix_cache``); stock runs on
+    the kit's Python tree core (its inspector subclass)."""
+    if kind not in KINDS:
+        raise ValueError(f"cache kind {kind!r} is invalid; valid values: {', '.join(KINDS)}")
+    import dataclasses
+
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig as KitConfig
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture
+
+    from .radix import SpecRadixCache, TaggedRadixCache
+
+    kit = KitConfig(page_size=1, components=(ComponentType.FULL, ComponentType.SWA),
+                    sliding_window_size=window, kv_size=size, max_context_len=max(512, size),
+                    eviction_policy=eviction_policy)
+    stock, alloc, _ = build_fixture(kit, tree_core_backend="python")
+    if kind == "stock":
+        return stock, alloc
+    # The kit builds a stock cache over the pools; sgl_spec's takes its params.
+    params = dataclasses.replace(stock.cache_init_params, tree_core_backend=None)
     cfg = cfg or SpecConfig()
     cls = TaggedRadixCache if cfg.tagged_cache or kind == "tagged" else SpecRadixCache
     return cls(params, fmt, cfg), alloc
