@@ -24,6 +24,9 @@ SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
 # Fault injection for tests: "1" flips one stored byte of every node Krul compresses,
 # after its checksum is taken (the load must be refused and the tokens recomputed).
 SGLSPEC_KRUL_CORRUPT = "SGLSPEC_KRUL_CORRUPT"
+# sglang's own: a core group per CPU rank ("0|1"). The launcher sets it where the user
+# did not and ranks outnumber NUMA nodes (sgl_spec.integration.cpu.threads).
+SGLANG_CPU_OMP_THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 def _choice(name: str, valid: tuple[str, ...]) -> str:

@@ -8,7 +8,9 @@ environment. Defaults that differ from stock sglang (only where not given):
 * ``--attention-backend sgl_spec`` and ``--radix-cache-backend sgl_spec``
   (with ``--spec-disable``: stock components, torch_native attention on CPU);
 * on CPU hosts: ``--device cpu`` and ``--max-total-tokens 32768`` (stock sglang
-  sizes a 15 GB KV pool on these machines);
+  sizes a 15 GB KV pool on these machines); with more ranks (dp x tp x pp) than NUMA
+  nodes, ``SGLANG_CPU_OMP_THREADS_BIND`` splitting the cores between them (stock
+  sglang asserts otherwise; see ``sgl_spec.integration.cpu.threads``);
 * ``--spec-krul``: the model's attention statistics, measured once into the cache dir
   (``python -m sgl_spec.calibrate strategy``);
 * ``--spec-mode specontext`` without ``--spec-draft-path``: the retrieval head trained
@@ -217,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         _spec_parser().error(str(exc))
     plugin.register()  # makes "sgl_spec" a valid --attention-backend choice
-    argv = sglang_argv(cfg, rest, cpu=not cuda_host())
+    cpu = not cuda_host()
+    argv = sglang_argv(cfg, rest, cpu=cpu)
+    if cpu:
+        from sgl_spec.integration.cpu.threads import set_default_bind
+
+        set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
     cfg = with_krul(with_head(cfg, argv), argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
     server.serve(argv, add_route=not cfg.disable)

@@ -7,6 +7,8 @@ torchvision is imported:
   CUDA-only), :mod:`.sgl_kernel_shim` is loaded under that name.
 * before ``torchvision`` executes: :func:`.torchvision_ops.ensure_ops`.
 * after the sglang host-pool modules execute: :mod:`.hicache` patches.
+* after sglang's DP controller module executes: its event loop waits for requests
+  instead of spinning on a core (:mod:`.dp_controller`).
 * after ``sglang.lang.chat_template`` executes (every host): a matcher that gives
   the default model's directory the ChatML template in the frontend language.
 * after sglang's scheduler ``internal_state`` module executes (every host): the
@@ -68,6 +70,8 @@ _CPU_AFTER: dict[str, _Hook] = {
     "sglang.srt.managers.cache_controller": _lazy(f"{_HICACHE}:patch_cache_controller"),
     "sglang.srt.arg_groups.resolution_hooks":
         _lazy(f"{_HICACHE}:register_cpu_hicache_defaults"),
+    "sglang.srt.managers.data_parallel_controller":
+        _lazy("sgl_spec.integration.cpu.dp_controller:patch_event_loop"),
 }
 SHIM_NAME = "sgl_kernel"
 _shim_enabled = False
