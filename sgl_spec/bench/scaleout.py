@@ -20,7 +20,7 @@ cached-token share of follow-up turns (cached / prompt tokens, turns 2..T) and i
 to the reference's, and which worker served each conversation's turns (sglang's
 ``meta_info``: ``dp_rank``, and ``weight_version``, which names each router worker)::
 
-    python -m sgl_spec.bench.scaleout --out results/scaleout   # ~15 min on 2 cores
+    python -m sgl_spec.bench.scaleout --out results/scaleout   # ~22 min on 2 shared cores
 
 Needs ``pip install 'sgl_spec[scaleout]'`` (sglang-router) for the router rows.
 Loopback only.
@@ -192,9 +192,12 @@ def deployment(kind: str, flags: list[str], logs: str) -> Iterator[dict[str, lis
                              log_path=os.path.join(logs, f"{name}.log"))
 
     def router(name: str, urls: list[str], extra: list[str]) -> ServerProcess:
+        # A busy CPU worker answers /health late (it generates a token): the router's 5 s
+        # default timed out 4-6 times in a run here (3 in a row drop the worker).
         return ServerProcess(ROUTER, ["--worker-urls", *urls, "--policy", "cache_aware",
                                       "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                                      str(free_port()), *extra],
+                                      str(free_port()), "--health-check-timeout-secs", "60",
+                                      *extra],
                              log_path=os.path.join(logs, f"{name}.log"))
 
     with ExitStack() as stack:
@@ -249,18 +252,18 @@ def main(argv: list[str] | None = None) -> None:
                    "between; single's later rounds show how repeatable outputs are "
                    "(default 1)", rounds_default=1)
     ap.add_argument("--conversations", type=int, default=4, metavar="N")
-    ap.add_argument("--turns", type=int, default=4, metavar="T")
-    ap.add_argument("--first-tokens", type=int, default=800, metavar="K",
-                    help="tokens of each conversation's opening document (default 800)")
-    ap.add_argument("--turn-tokens", type=int, default=300, metavar="K",
-                    help="tokens of new text every later turn adds (default 300)")
-    ap.add_argument("--max-tokens", type=int, default=32, metavar="M")
+    ap.add_argument("--turns", type=int, default=3, metavar="T")
+    ap.add_argument("--first-tokens", type=int, default=500, metavar="K",
+                    help="tokens of each conversation's opening document (default 500)")
+    ap.add_argument("--turn-tokens", type=int, default=200, metavar="K",
+                    help="tokens of new text every later turn adds (default 200)")
+    ap.add_argument("--max-tokens", type=int, default=24, metavar="M")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, metavar="ROW",
                     help=f"rows to play (default all: {', '.join(ROWS)}); without single, "
                     "no comparison")
     ap.add_argument("--flags", default=DEFAULT_FLAGS,
                     help=f"extra sgl_spec.launch_server flags for every server, one string "
-                    f"(default {DEFAULT_FLAGS!r})")
+                    f"given with '=' (--flags='--spec-mode loopserve'; default {DEFAULT_FLAGS!r})")
     args = ap.parse_args(argv)
     for flag in ("conversations", "turns", "rounds", "max_tokens", "first_tokens"):
         if getattr(args, flag) < 1:
