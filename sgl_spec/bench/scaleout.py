@@ -11,7 +11,8 @@ here). Rows:
   round robin, blind to the cache);
 * ``dp2-router``: sglang-router ``--dp-aware --policy cache_aware`` in front of that
   same ``--dp-size 2`` server (the router picks the DP rank);
-* ``router``: sglang-router ``--policy cache_aware`` in front of two sgl_spec servers.
+* ``router``: sglang-router ``--policy cache_aware`` in front of two sgl_spec servers;
+* ``tp2`` (only when asked for): one sgl_spec server with ``--tp-size 2``.
 
 Every row after the reference is sent the reference's prompts (its answers are the
 history), so each turn's output compares token by token. Per row: completed and failed
@@ -46,7 +47,8 @@ from sgl_spec.bench.chat_client import ChatScript
 from sgl_spec.bench.chats import ChatConfig, conversations
 from sgl_spec.bench.server import SPEC, ServerProcess, flush_cache, free_port
 
-ROWS = ("single", "dp2", "dp2-router", "router")
+ROWS = ("single", "dp2", "dp2-router", "router", "tp2")
+DEFAULT_ROWS = ROWS[:4]
 ROUTER = "sglang_router.launch_router"
 DEFAULT_FLAGS = "--spec-cache-eviction turn"
 
@@ -209,6 +211,9 @@ def deployment(kind: str, flags: list[str], logs: str) -> Iterator[dict[str, lis
             r = stack.enter_context(router("dp2-router", [s.url], ["--dp-aware"]))
             wait_workers(r.url, 2)
             yield {"dp2": [s.url, s.url], "dp2-router": [r.url, s.url]}
+        elif kind == "tp2":
+            s = stack.enter_context(server("tp2", ["--tp-size", "2"]))
+            yield {"tp2": [s.url, s.url]}
         else:
             workers = [server(f"worker-{i}", []).launch() for i in range(2)]
             for w in workers:
@@ -218,7 +223,8 @@ def deployment(kind: str, flags: list[str], logs: str) -> Iterator[dict[str, lis
             yield {"router": [r.url, *(w.url for w in workers)]}
 
 
-GROUPS = {"single": ("single",), "dp2": ("dp2", "dp2-router"), "router": ("router",)}
+GROUPS = {"single": ("single",), "dp2": ("dp2", "dp2-router"), "router": ("router",),
+          "tp2": ("tp2",)}
 
 
 def markdown(res: dict) -> str:
@@ -258,9 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turn-tokens", type=int, default=200, metavar="K",
                     help="tokens of new text every later turn adds (default 200)")
     ap.add_argument("--max-tokens", type=int, default=24, metavar="M")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, metavar="ROW",
-                    help=f"rows to play (default all: {', '.join(ROWS)}); without single, "
-                    "no comparison")
+    ap.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS,
+                    metavar="ROW", help=f"rows to play, of {', '.join(ROWS)} (default: "
+                    f"{' '.join(DEFAULT_ROWS)}); without single, no comparison")
     ap.add_argument("--flags", default=DEFAULT_FLAGS,
                     help=f"extra sgl_spec.launch_server flags for every server, one string "
                     f"given with '=' (--flags='--spec-mode loopserve'; default {DEFAULT_FLAGS!r})")
