@@ -28,6 +28,8 @@ MODES = ("exact", "streaming", "snapkv", "loopserve", "specontext")
 PREFETCH = ("auto", "inline", "thread", "stream")
 # Radix-cache eviction orders.
 CACHE_EVICTIONS = ("lru", "turn")
+# How sglang's DP controller picks a rank (--dp-size > 1): by cached prefix, or sglang's.
+DP_DISPATCH = ("cache_aware", "sglang")
 # Prefill attention: "exact" (dense) or LoopServe's online vertical/slash lines.
 PREFILL_MODES = ("exact", "loopserve")
 
@@ -84,6 +86,12 @@ FLAGS: tuple[Flag, ...] = (
          "(finished turns' reasoning the chat template drops from history) first, then "
          "the least recently active conversations, oldest rounds first (the turn-tagged "
          "tree core).", CACHE_EVICTIONS),
+    Flag("--spec-dp-dispatch", "cache", "dp_dispatch", "choice",
+         "With --dp-size > 1 and sglang's round-robin --load-balance-method: "
+         "'cache_aware' sends a request to the DP rank that was sent the longest prefix "
+         "of its prompt (a conversation's later turns meet their cached history), "
+         "round robin where no rank holds half of it; 'sglang' leaves sglang's dispatch.",
+         DP_DISPATCH),
     Flag("--spec-prefill", "prefill", "mode", "choice",
          "Prefill attention mode, independent of --spec-mode (decode). 'exact' is dense "
          "attention; 'loopserve' selects vertical and slash lines per layer and KV head "
@@ -166,6 +174,7 @@ def _check(section: str, obj) -> None:
 @dataclass(frozen=True)
 class CacheConfig:
     eviction: str = "lru"
+    dp_dispatch: str = "cache_aware"
 
     def __post_init__(self):
         _check("cache", self)

@@ -123,3 +123,98 @@ def test_dp_controller_waits_for_requests_and_dispatches_them_in_order(monkeypat
     assert ctl.dispatched == [{"req": 0}, {"req": 1}, {"req": 2}]
     push.close(linger=0)
     pull.close(linger=0)
+
+
+# ---- cache-aware DP dispatch (sgl_spec.integration.dp_dispatch) ---------------------
+
+def _conversation(seed: int, turns: int) -> list[list[int]]:
+    """Each turn's prompt: the previous prompt, an answer and a question (ids)."""
+    import random
+
+    rng = random.Random(seed)
+    prompt, out = [rng.randrange(50_000) for _ in range(300)], []
+    for _ in range(turns):
+        out.append(list(prompt))
+        prompt += [rng.randrange(50_000) for _ in range(80)]
+    return out
+
+
+def test_a_conversations_turns_stay_on_one_rank_and_new_ones_round_robin():
+    from sgl_spec.integration.dp_dispatch import PrefixIndex
+
+    index = PrefixIndex(ranks=2)
+    convs = [_conversation(seed, turns=3) for seed in range(4)]
+    first = [index.choose(c[0], [0, 1]) for c in convs]  # nothing cached: round robin
+    assert first == [0, 1, 0, 1]
+    for turn in (1, 2):  # interleaved, as concurrent clients send them
+        assert [index.choose(c[turn], [0, 1]) for c in convs] == first
+    assert index.choose(convs[1][2], [0]) == 0  # rank 1 unusable: the usable one
+    assert index.choose([7] * 10, [0, 1]) in (0, 1)  # shorter than a block
+
+
+def test_a_prompt_sharing_under_half_its_blocks_is_not_pinned_and_lru_is_bounded():
+    from sgl_spec.integration.dp_dispatch import BLOCK, PrefixIndex, block_hashes
+
+    index = PrefixIndex(ranks=2, max_blocks=16)
+    base = list(range(10 * BLOCK))
+    assert index.choose(base, [0, 1]) == 0
+    other = base[: 4 * BLOCK] + [9] * (6 * BLOCK)  # 4 of 10 blocks shared
+    assert index.choose(other, [0, 1]) == 1  # round robin, not rank 0
+    assert len(block_hashes(base)) == 10 and block_hashes(base[:BLOCK + 3])[0] == \
+        block_hashes(base)[0]
+    for i in range(40):  # rank 0 forgets the oldest prompts' blocks, deepest first
+        index.choose([10_000 + i] * (2 * BLOCK), [0])
+    assert len(index._blocks[0]) == 16
+
+
+def test_the_controller_dispatches_by_prefix_only_when_sgl_spec_asks(monkeypatch):
+    """Wrapped __init__: sgl_spec's config (cache_aware) and sglang's round robin ->
+    the prefix dispatch; routed requests keep their rank; --spec-dp-dispatch sglang or
+    no sgl_spec config leave sglang's dispatch."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers import data_parallel_controller as dpc
+
+    from sgl_spec.config import CacheConfig, SpecConfig
+    from sgl_spec.integration import dp_dispatch
+
+    sent = []
+
+    class Controller:
+        def __init__(self):
+            self.load_balance_method = dpc.LoadBalanceMethod.ROUND_ROBIN
+            self.workers, self._active_workers, self.status = ["w0", "w1"], [0, 1], [1, 1]
+            self.dispatching = "sglang's"
+
+        def maybe_external_dp_rank_routing(self, req):
+            if req.routed_dp_rank is None:
+                return False
+            sent.append(("routed", req.routed_dp_rank))
+            return True
+
+    module = SimpleNamespace(DataParallelController=Controller,
+                             LoadBalanceMethod=dpc.LoadBalanceMethod,
+                             sock_send=lambda worker, req: sent.append(worker))
+    dp_dispatch.patch_controller(module)
+    dp_dispatch.patch_controller(module)  # idempotent
+    monkeypatch.delenv(envs.SGLSPEC_CONFIG, raising=False)
+    assert Controller().dispatching == "sglang's"
+    monkeypatch.setenv(envs.SGLSPEC_CONFIG,
+                       SpecConfig(cache=CacheConfig(dp_dispatch="sglang")).to_json())
+    assert Controller().dispatching == "sglang's"
+    monkeypatch.setenv(envs.SGLSPEC_CONFIG, SpecConfig().to_json())
+    ctl = Controller()
+    turns = _conversation(1, turns=2)
+    for ids, routed in ((turns[0], None), (_conversation(2, 1)[0], None), (turns[1], None),
+                        (turns[1], 0)):
+        ctl.dispatching(SimpleNamespace(input_ids=ids, routed_dp_rank=routed))
+    assert sent == ["w0", "w1", "w0", ("routed", 0)]
+
+
+def test_on_cpu_hosts_the_dp_controller_gets_both_patches():
+    from sgl_spec.integration.cpu import hooks
+
+    hooks.install(cpu=True)
+    hooks.install(cpu=True)  # idempotent: not chained twice
+    name = "sglang.srt.managers.data_parallel_controller"
+    assert hooks.AFTER[name].__name__ == "patch_controller+patch_event_loop"

@@ -8,7 +8,8 @@ torchvision is imported:
 * before ``torchvision`` executes: :func:`.torchvision_ops.ensure_ops`.
 * after the sglang host-pool modules execute: :mod:`.hicache` patches.
 * after sglang's DP controller module executes: its event loop waits for requests
-  instead of spinning on a core (:mod:`.dp_controller`).
+  instead of spinning on a core (:mod:`.dp_controller`); on every host, its round-robin
+  dispatch becomes cache-aware (``sgl_spec.integration.dp_dispatch``).
 * after ``sglang.lang.chat_template`` executes (every host): a matcher that gives
   the default model's directory the ChatML template in the frontend language.
 * after sglang's scheduler ``internal_state`` module executes (every host): the
@@ -47,6 +48,15 @@ def _lazy(target: str) -> _Hook:
     return hook
 
 
+def _both(first: _Hook, second: _Hook) -> _Hook:
+    def hook(module) -> None:
+        first(module)
+        second(module)
+
+    hook.__name__ = f"{first.__name__}+{second.__name__}"
+    return hook
+
+
 # Hooks active on every host: hooked module -> "patching module:function".
 BEFORE: dict[str, _Hook] = {}
 AFTER: dict[str, _Hook] = {
@@ -57,6 +67,8 @@ AFTER: dict[str, _Hook] = {
         _lazy("sgl_spec.integration.head:patch_kv_pool"),
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler":
         _lazy("sgl_spec.integration.krul:patch_host_pool"),
+    "sglang.srt.managers.data_parallel_controller":
+        _lazy("sgl_spec.integration.dp_dispatch:patch_controller"),
 }
 # Hooks active only on hosts without CUDA.
 _HICACHE = "sgl_spec.integration.cpu.hicache"
@@ -118,10 +130,13 @@ def install(cpu: bool) -> _Finder:
     ``cpu``: also supply ``sgl_kernel`` and apply the CPU-only patches.
     """
     global _shim_enabled
-    if cpu:
+    if cpu and not _shim_enabled:
         _shim_enabled = True
-        BEFORE.update(_CPU_BEFORE)
-        AFTER.update(_CPU_AFTER)
+        for hooks, cpu_hooks in ((BEFORE, _CPU_BEFORE), (AFTER, _CPU_AFTER)):
+            for name, hook in cpu_hooks.items():
+                if hooks.get(name) not in (None, hook):
+                    hook = _both(hooks[name], hook)
+                hooks[name] = hook
     for f in sys.meta_path:
         if isinstance(f, _Finder):
             return f
