@@ -7,7 +7,9 @@ with a fixed answer budget, through sglang's ``/generate`` (the chat template ap
 here). Rows:
 
 * ``single``: one sgl_spec server, the reference;
-* ``dp2``: one sgl_spec server with ``--dp-size 2`` (sglang's DP controller dispatches
+* ``dp2``: one sgl_spec server with ``--dp-size 2`` (its DP controller dispatches by
+  cached prefix: ``--spec-dp-dispatch cache_aware``, the default);
+* ``dp2-rr`` (only when asked for): the same with ``--spec-dp-dispatch sglang`` (sglang's
   round robin, blind to the cache);
 * ``dp2-router``: sglang-router ``--dp-aware --policy cache_aware`` in front of that
   same ``--dp-size 2`` server (the router picks the DP rank);
@@ -47,7 +49,7 @@ from sgl_spec.bench.chat_client import ChatScript
 from sgl_spec.bench.chats import ChatConfig, conversations
 from sgl_spec.bench.server import SPEC, ServerProcess, flush_cache, free_port
 
-ROWS = ("single", "dp2", "dp2-router", "router", "tp2")
+ROWS = ("single", "dp2", "dp2-router", "router", "dp2-rr", "tp2")
 DEFAULT_ROWS = ROWS[:4]
 ROUTER = "sglang_router.launch_router"
 DEFAULT_FLAGS = "--spec-cache-eviction turn"
@@ -211,6 +213,10 @@ def deployment(kind: str, flags: list[str], logs: str) -> Iterator[dict[str, lis
             r = stack.enter_context(router("dp2-router", [s.url], ["--dp-aware"]))
             wait_workers(r.url, 2)
             yield {"dp2": [s.url, s.url], "dp2-router": [r.url, s.url]}
+        elif kind == "dp2-rr":
+            s = stack.enter_context(server("dp2-rr", ["--dp-size", "2",
+                                                      "--spec-dp-dispatch", "sglang"]))
+            yield {"dp2-rr": [s.url, s.url]}
         elif kind == "tp2":
             s = stack.enter_context(server("tp2", ["--tp-size", "2"]))
             yield {"tp2": [s.url, s.url]}
@@ -224,7 +230,7 @@ def deployment(kind: str, flags: list[str], logs: str) -> Iterator[dict[str, lis
 
 
 GROUPS = {"single": ("single",), "dp2": ("dp2", "dp2-router"), "router": ("router",),
-          "tp2": ("tp2",)}
+          "dp2-rr": ("dp2-rr",), "tp2": ("tp2",)}
 
 
 def markdown(res: dict) -> str:
