@@ -63,4 +63,4 @@ def test_mix_rejects_bad_weights_and_sizes():
         Mix(chat=0, growing=0, agent=0, longgen=0, abort=0, over_limit=0)
     with pytest.raises(ValueError, match="answer_tokens"):
         Mix(answer_tokens=0)
-    assert soak.working_set(2, Mix()) == 2 * (2500 + 256)
+    assert soak.working_set(2, Mix()) == 2 * (900 + 96)

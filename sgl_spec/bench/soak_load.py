@@ -47,9 +47,9 @@ class Mix:
     longgen: float = 1
     abort: float = 2
     over_limit: float = 0.5
-    answer_tokens: int = 32
-    longgen_tokens: int = 256
-    grow_limit: int = 2500
+    answer_tokens: int = 24
+    longgen_tokens: int = 96
+    grow_limit: int = 900
 
     def __post_init__(self) -> None:
         weights = [getattr(self, k) for k in KINDS]
