@@ -109,20 +109,20 @@ class TestSparsePrefill:
 @pytest.mark.server
 def test_streams_aborted_in_prefill_and_decode_leave_no_lines_or_states(loopserve_server,
                                                                         hf_tok):
-    """Long prompts (sparse prefill, lines offered to the tree) streamed and cut by the
-    client before the first token (during prefill) or mid-decode, with their follow-ups
-    matched against the lines kept on the tree (seeds): no offered lines, seeds or
-    decode states are left, and the server answers as before."""
+    """A long prompt (sparse prefill, lines offered to the tree and kept on its node) is
+    answered; then, at once, another long prompt is cut by the client before its first
+    token (during prefill) and a follow-up of the first (seeded by its kept lines) is
+    cut mid-decode: no offered lines, seeds or decode states are left, and the server
+    answers as before."""
     url = loopserve_server.url
     probe = chatml(QUESTION)
     generate(url, probe, 1)  # cached: before and after, its last token is recomputed
     reference = generate(url, probe, 16)["output_ids"]
-    docs = [corpus.document(hf_tok, 700, seed=40 + i) for i in range(3)]
-    abort_streams(url, [chatml(d) for d in docs], [0, 1, 6], max_new_tokens=24)
-    first = generate(url, chatml(docs[2]), 4)["text"]  # cached: the next turn is seeded
-    follow = [chatml(docs[2]) + first + "<|im_end|>\n"
-              + chatml(corpus.document(hf_tok, 650, seed=50 + i)) for i in range(2)]
-    abort_streams(url, follow, [0, 3], max_new_tokens=24)
+    first = chatml(corpus.document(hf_tok, 650, seed=40))
+    answer = generate(url, first, 4)["text"]
+    follow = first + answer + "<|im_end|>\n" + chatml(corpus.document(hf_tok, 620, seed=41))
+    abort_streams(url, [chatml(corpus.document(hf_tok, 620, seed=42)), follow], [0, 3],
+                  max_new_tokens=24)
     assert generate(url, probe, 16)["output_ids"] == reference  # passes: seeds expire
     assert wait_until_freed(url) == {"prefill_lines_offered": 0, "prefill_seeds": 0,
                                      "decode_states": 0, "policy_states": 0,

@@ -105,9 +105,10 @@ class TestSpeContextServer:
         assert after["sgl_spec:sparse_live_states"] == 0
 
     def test_aborted_and_retracted_streams_free_their_states(self, server):
-        """Four ~600-token prompts at once in a pool of 1400 tokens (queued, retracted,
-        evicted to the host tier), cut by the client at seeded points: every head-driven
-        decode state and slot is freed, and a greedy request answers as before."""
+        """Four ~330-token prompts at once in a pool of 1400 tokens that holds a ~600-token
+        probe (queued, retracted, evicted to the host tier), cut by the client at seeded
+        points: every head-driven decode state and slot is freed, and a greedy request
+        answers as before."""
         import random
 
         probe = chatml("What does this module do?\n" + _doc("json", 2500))
@@ -115,7 +116,7 @@ class TestSpeContextServer:
         reference = generate(server.url, probe, 24, ignore_eos=True)["output_ids"]
         rng = random.Random(7)
         cut_after = [rng.choice([0, 1, 10, 30]) for _ in range(4)]
-        prompts = [chatml(f"Summarize it ({i}).\n" + _doc(m, 2500))
+        prompts = [chatml(f"Summarize it ({i}).\n" + _doc(m, 1400))
                    for i, m in enumerate(["argparse", "logging", "csv", "random"])]
         abort_streams(server.url, prompts, cut_after, max_new_tokens=40)
         live = wait_until_freed(server.url)
