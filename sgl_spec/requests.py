@@ -49,8 +49,7 @@ class RequestHub:
     def __init__(self):
         self._listeners: list[Callable[[str], None]] = []
         self._offered: OrderedDict[str, Lines] = OrderedDict()
-        self._seeds: OrderedDict[str, Lines] = OrderedDict()
-        self._seeded_at: dict[str, int] = {}  # rid -> pass its seeds were set in
+        self._seeds: OrderedDict[str, tuple[Lines, int]] = OrderedDict()  # (lines, set in pass)
         self._pass = 0
         self._live: dict[str, Callable[[], int]] = {}
 
@@ -79,20 +78,16 @@ class RequestHub:
         self._pass += 1
         if self._seeds:
             cutoff = self._pass - SEED_TTL
-            for rid in [r for r, at in self._seeded_at.items() if at < cutoff]:
-                self._seeds.pop(rid, None)
-                del self._seeded_at[rid]
+            for rid in [r for r, (_, at) in self._seeds.items() if at < cutoff]:
+                del self._seeds[rid]
 
     def release(self, rid: str) -> None:
         """The request's KV row is given back: drop everything kept for it."""
         self._offered.pop(rid, None)
-        self._drop_seeds(rid)
+        self._seeds.pop(rid, None)
         for fn in self._listeners:
             fn(rid)
 
-    def _drop_seeds(self, rid: str) -> Lines | None:
-        self._seeded_at.pop(rid, None)
-        return self._seeds.pop(rid, None)
 
     def offer_lines(self, rid: str, lines: Lines) -> None:
         _put(self._offered, rid, lines)
@@ -106,16 +101,13 @@ class RequestHub:
         return lines
 
     def set_seeds(self, rid: str, lines: Lines | None) -> None:
-        self._drop_seeds(rid)
+        self._seeds.pop(rid, None)
         if lines is not None:
-            _put(self._seeds, rid, lines)
-            self._seeded_at[rid] = self._pass
-            if len(self._seeded_at) > len(self._seeds):  # _put dropped the oldest
-                self._seeded_at = {r: self._seeded_at[r] for r in self._seeds}
+            _put(self._seeds, rid, (lines, self._pass))
 
     def seeds(self, rid: str, prefix_len: int) -> Lines | None:
         """Seeds for an extend of ``rid`` over ``prefix_len`` cached tokens (read once)."""
-        lines = self._drop_seeds(rid)
+        lines, _ = self._seeds.pop(rid, (None, 0))
         return lines if lines is not None and lines.end <= prefix_len else None
 
     def __len__(self) -> int:
@@ -123,10 +115,10 @@ class RequestHub:
         return len(self._offered.keys() | self._seeds.keys())
 
 
-def _put(kept: OrderedDict[str, Lines], rid: str, lines: Lines) -> None:
+def _put(kept: OrderedDict, rid: str, value) -> None:
     """Newest last; the oldest entry goes past ``MAX_KEPT``."""
     kept.pop(rid, None)
-    kept[rid] = lines
+    kept[rid] = value
     if len(kept) > MAX_KEPT:
         kept.popitem(last=False)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -41,7 +42,7 @@ import requests
 from tqdm import tqdm
 
 from sgl_spec import corpus
-from sgl_spec.bench import agreement, cli, configset, plots, render
+from sgl_spec.bench import agreement, cli, configset, plots, render, sparse_counters
 from sgl_spec.bench.chat_client import TurnResult
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 from sgl_spec.bench.soak_load import KINDS, Mix, play
@@ -91,12 +92,8 @@ def server_rss(server: ServerProcess) -> int:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(KV_METRICS):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {name: sparse_counters.scalar(text, name) for name in KV_METRICS}
 
 
 def spec_state(url: str) -> dict | None:
@@ -143,14 +140,12 @@ def run_row(name: str, model: str, args, docs: list[str], mix: Mix, pool: int) -
         flush_cache(server.url)
         t0 = time.monotonic()
         samples: list[dict] = []
-        stop = [False]
+        stop = threading.Event()
 
         def sampler() -> None:
-            while not stop[0]:
+            while not stop.is_set():
                 samples.append(sample(server, t0))
-                time.sleep(args.sample_s)
-
-        import threading
+                stop.wait(args.sample_s)
 
         thread = threading.Thread(target=sampler, name="soak-sampler", daemon=True)
         thread.start()
@@ -167,7 +162,7 @@ def run_row(name: str, model: str, args, docs: list[str], mix: Mix, pool: int) -
                 break
             time.sleep(1)
             end_live = live(server.url)
-        stop[0] = True
+        stop.set()
         thread.join()
         samples.append(sample(server, t0))
         return {"name": name, "module": module, "flags": flags, "pool_tokens": pool,
