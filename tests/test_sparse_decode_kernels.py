@@ -380,6 +380,124 @@ def test_triton_full_subset_is_dense_attention(triton_ready):
     assert rel_err(out, dense_attention(batch)) <= 1e-5
 
 
+# ---------------------------------------------------------------- triton, split over keys
+
+# Subsets of several blocks (BLOCK_N = 64 at group 1, 16 at group 7), so several splits
+# get work; the last, 2-3 token request leaves every split but the first empty.
+SPLIT_CASES = [
+    Case("gqa1-long-select", 1, 2, (200, 150, 3), 4, 8, 160),
+    Case("gqa7-ragged-heads-D64", 7, 2, (150, 97, 2), 4, 16, 64, ragged_heads=True,
+         head_dim=64),
+]
+
+
+def run_triton(batch: Batch, num_splits: int | None, dense: bool = False) -> torch.Tensor:
+    from sgl_spec.kernels.sparse_decode.common import check_inputs
+    from sgl_spec.kernels.sparse_decode.triton_impl import sparse_decode_triton
+
+    batch = batch.to("cuda") if CUDA else batch
+    sub = batch.dense() if dense else batch.subsets()
+    dims = check_inputs(batch.q, batch.k_buf, batch.v_buf, sub)
+    out = torch.full_like(batch.q, float("nan"))
+    return sparse_decode_triton(batch.q, batch.k_buf, batch.v_buf, sub, dims,
+                                scale=batch.scale, out=out, num_splits=num_splits)
+
+
+def subset_sizes(batch: Batch) -> torch.Tensor:  # [B, Hkv]: positions each pair attends
+    sink_end = batch.seq_lens.clamp(max=batch.sink)
+    recent = torch.maximum(batch.recent_start, sink_end)
+    return (sink_end + batch.seq_lens - recent)[:, None] + batch.sel_len
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+@pytest.mark.parametrize(("num_splits", "dtype"), [
+    pytest.param(2, torch.float32, id="2splits-fp32"),
+    pytest.param(3, torch.bfloat16, id="3splits-bf16"),
+    pytest.param(7, torch.float32, id="7splits-fp32"),
+    pytest.param(7, torch.bfloat16, id="7splits-bf16"),
+])
+def test_triton_splits_match_reference(triton_ready, num_splits, dtype, case):
+    from sgl_spec.kernels.sparse_decode.triton_impl import block_n_for
+
+    batch = make_batch(case, dtype, seed=4)
+    sizes, block_n = subset_sizes(batch), block_n_for(case.group)
+    assert int(sizes.max()) > 2 * block_n  # several splits get work
+    assert int(sizes.min()) <= block_n  # splits after the first get none
+    out = run_triton(batch, num_splits)
+    assert out.dtype == dtype and out.shape == batch.q.shape
+    assert rel_err(out, reference(batch)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [3, 7, None], ids=lambda n: f"{n or 'auto'}splits")
+def test_triton_splits_dense_subsets_are_dense_attention(triton_ready, num_splits):
+    """Long dense lists; auto picks 4 splits for this one request (132 SMs assumed
+    under the interpreter: 264 programs wanted, 605 // (4 blocks of 32) = 4 allowed)."""
+    from sgl_spec.kernels.sparse_decode import triton_impl
+
+    case = Case("gqa4-dense-600", 4, 1, (600,), 0, 8, 0)
+    batch = make_batch(case, torch.float32, seed=5)
+    if num_splits is None and not CUDA:
+        assert triton_impl.auto_num_splits(1, 605, triton_impl.block_n_for(4)) == 4
+    assert rel_err(run_triton(batch, num_splits, dense=True), dense_attention(batch)) <= 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda n: f"{n}splits")
+def test_triton_empty_subset_writes_zeros(triton_ready, num_splits):
+    """A row with seq_len 0 (outside the contract: a padded batch row) attends nothing:
+    every split's LSE is -inf and the merge writes zeros, not NaN; the other rows are
+    unaffected."""
+    from sgl_spec.kernels.sparse_decode import take_rows
+
+    batch = make_batch(SPLIT_CASES[0], torch.float32, seed=6)
+    batch.seq_lens[2] = 0
+    batch.recent_start[2] = 0
+    batch.sel_len[2] = 0
+    out = run_triton(batch, num_splits).cpu()
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    keep = torch.tensor([0, 1])
+    want = sparse_decode_reference(batch.q[keep], batch.k_buf, batch.v_buf,
+                                   take_rows(batch.subsets(), keep), scale=batch.scale)
+    assert rel_err(out[keep], want) <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_split_merge_matches_reference(triton_ready, dtype):
+    """The merge kernel alone: 37 splits (three 16-split chunks), empty splits (-inf LSE,
+    zero partials) scattered, and one (request, head) with every split empty."""
+    from sgl_spec.kernels.sparse_decode.reference import merge_splits_reference
+    from sgl_spec.kernels.sparse_decode.triton_impl import merge_splits
+
+    gen = torch.Generator().manual_seed(7)
+    part = torch.randn(2, 3, 37, 40, generator=gen)
+    lse = 5 * torch.randn(2, 3, 37, generator=gen)
+    empty = torch.rand(2, 3, 37, generator=gen) < 0.3
+    empty[1, 2] = True
+    lse[empty] = float("-inf")
+    part[empty] = 0.0
+    want = merge_splits_reference(part, lse)
+    dev = "cuda" if CUDA else "cpu"
+    out = merge_splits(part.to(dev), lse.to(dev), torch.empty(2, 3, 40, dtype=dtype, device=dev))
+    assert torch.isfinite(out).all() and torch.equal(out[1, 2].cpu(), torch.zeros(40, dtype=dtype))
+    assert rel_err(out, want) <= TOL[dtype]
+
+
+def test_triton_split_count_rule(triton_ready):
+    from sgl_spec.kernels.sparse_decode.triton_impl import MAX_SPLITS, auto_num_splits
+
+    # B * Hkv = 3: 264 programs on 132 SMs wanted, a 128k context allows 1024 splits.
+    assert auto_num_splits(3, 131072, 32, num_sms=132) == 88
+    assert auto_num_splits(24, 131072, 32, num_sms=132) == 11
+    assert auto_num_splits(264, 131072, 32, num_sms=132) == 1  # the one-pass kernel
+    assert auto_num_splits(3072, 131072, 32, num_sms=132) == 1
+    assert auto_num_splits(3, 400, 32, num_sms=132) == 3  # >= 4 blocks of 32 each
+    assert auto_num_splits(3, 100, 32, num_sms=132) == 1
+    assert auto_num_splits(1, 10**7, 16, num_sms=132) == MAX_SPLITS
+    batch = make_batch(CASES[0], torch.float32)
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(ValueError, match=r"num_splits must be None \(auto\) or in"):
+            run_triton(batch, bad)
+
+
 # ---------------------------------------------------------------- flashinfer
 
 

@@ -8,8 +8,9 @@ forward pass) from the paged pool and dispatches to one implementation:
   place, exact softmax, split over threads;
 * ``torch``: batched gathers and matmuls, or SDPA's fused kernel for dense subsets
   (``torch_impl``); any device, the fallback where the C++ kernel cannot be built;
-* ``triton``: one Triton program per (request, KV head) (``triton_impl``); CUDA, or
-  CPU under ``TRITON_INTERPRET=1``;
+* ``triton``: one Triton program per (request, KV head), or per key split of it
+  where the batch is too small to fill the GPU, then a merge (``triton_impl``); CUDA,
+  or CPU under ``TRITON_INTERPRET=1``;
 * ``flashinfer``: FlashInfer's paged decode with one page list per (request, KV head)
   (``flashinfer_impl``); CUDA only. A serving loop that runs many layers per batch
   keeps a ``FlashInferSparseDecode`` (plan once, run per layer) instead.

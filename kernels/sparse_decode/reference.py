@@ -3,6 +3,7 @@
 Per request and KV head it lists the attended positions in Python (asserting the
 subset contract of ``common``), maps them to pool slots, and runs plain softmax
 attention in float64 for the query heads of that KV head's group.
+``merge_splits_reference`` is the oracle of the Triton kernel's split merge.
 """
 
 from __future__ import annotations
@@ -39,3 +40,15 @@ def sparse_decode_reference(
             p = torch.softmax(qh @ k.T * scale, dim=-1)  # [G, L]
             out[b, h * g : (h + 1) * g] = p @ v
     return out.to(device=q.device, dtype=q.dtype)
+
+
+def merge_splits_reference(
+    part: torch.Tensor,  # [B, Hq, splits, Dv], each split's normalised attention output
+    lse: torch.Tensor,  # [B, Hq, splits], each split's log-sum-exp; -inf: no positions
+) -> torch.Tensor:  # [B, Hq, Dv] float64; zeros where every split is empty
+    """Flash-decoding's merge of key splits: ``sum_s exp(lse_s) o_s / sum_s exp(lse_s)``."""
+    part, lse = part.double(), lse.double()
+    m = lse.amax(dim=-1, keepdim=True)  # [B, Hq, 1]
+    w = torch.exp(lse - m.nan_to_num(neginf=0.0))  # [B, Hq, splits], 0 for empty splits
+    den = w.sum(-1, keepdim=True)
+    return (w[..., None] * part).sum(-2) / den.where(den > 0, 1.0)

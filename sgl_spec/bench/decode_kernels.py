@@ -24,7 +24,10 @@ since stock sglang decodes through FlashInfer there, which this bench does not l
 * ``dense sdpa``: each request's history gathered from the pool, then torch SDPA
   (``enable_gqa``): a dense baseline of torch's fused kernels, not stock's backend;
 * ``exact triton`` / ``loopserve triton``: the Triton kernel over the dense subsets and
-  over a LoopServe B=``--budget`` selection; ``loopserve torch``: the torch fallback.
+  over a LoopServe B=``--budget`` selection, split over the keys as it chooses
+  (``triton_impl.auto_num_splits``); ``... (1 split)``: the same calls forced onto the
+  one-pass kernel (one program per request and KV head), the split's baseline;
+  ``loopserve torch``: the torch fallback.
 """
 
 from __future__ import annotations
@@ -34,10 +37,13 @@ import torch
 from sgl_spec.bench import cli, render
 from sgl_spec.bench.timing import median_s
 from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets, sparse_decode
+from sgl_spec.kernels.sparse_decode.common import check_inputs, check_out, dims_of
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 
 PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu")
-CUDA_PATHS = ("dense sdpa", "exact triton", "loopserve triton", "loopserve torch")
+ONE_SPLIT = " (1 split)"  # path suffix: the Triton kernel with num_splits=1
+CUDA_PATHS = ("dense sdpa", "exact triton", f"exact triton{ONE_SPLIT}", "loopserve triton",
+              f"loopserve triton{ONE_SPLIT}", "loopserve torch")
 
 
 def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0,
@@ -69,28 +75,48 @@ def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSub
 def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs, scale: float,
              repeats: int, history: int, batch: int, warmup: int = 1, sync=None) -> dict:
     """Time ``base_fn`` and ``sparse_decode`` over each of ``subsets`` (path "<name>
-    <impl>") across the layers, and each one's error against float64 attention."""
+    <impl>", or "<name> triton (1 split)") across the layers, and each one's error
+    against float64 attention."""
     out = torch.empty_like(q)
 
     def ours(path):
-        impl = path.split()[1]
+        impl, sub = path.split()[1], subsets[path]
+        if path.endswith(ONE_SPLIT):
+            return lambda: _one_pass(q, ks, vs, sub, scale, out)
         # As a serving pass: the first layer checks the inputs, the others do not.
-        return lambda: [sparse_decode(q, k, v, subsets[path], scale=scale, impl=impl, out=out,
+        return lambda: [sparse_decode(q, k, v, sub, scale=scale, impl=impl, out=out,
                                       check=i == 0)
                         for i, (k, v) in enumerate(zip(ks, vs))][-1]
 
     fns = {base: base_fn, **{p: ours(p) for p in subsets}}
     ms = {p: 1e3 * median_s(fn, repeats, warmup=warmup, sync=sync) for p, fn in fns.items()}
-    errs = {}
+    errs, refs = {}, {}
     for p, fn in fns.items():
         sub = subsets.get(p, dense)
-        # The reference computes in float64 from fp32 copies of the same values.
-        ref = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(), sub,
-                                      scale=scale).double()
+        if id(sub) not in refs:  # paths over the same subsets share one (slow) reference
+            # The reference computes in float64 from fp32 copies of the same values.
+            refs[id(sub)] = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(),
+                                                    sub, scale=scale).double()
+        ref = refs[id(sub)]
         got = fn().double()
         errs[p] = float((got - ref).norm() / ref.norm())
     return {"history": history, "batch": batch, "layers": len(ks), "ms": ms,
             f"vs_{base.replace(' ', '_')}": {p: ms[p] / ms[base] for p in ms}, "rel_err": errs}
+
+
+def _one_pass(q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
+    """The Triton kernel forced to one split, with ``sparse_decode``'s first-layer checks
+    (so it pays what the auto-split path pays on top of the kernels)."""
+    from sgl_spec.kernels.sparse_decode.triton_impl import sparse_decode_triton
+
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        if i == 0:
+            dims = check_inputs(q, k, v, sub)
+            check_out(out, q, dims)
+        else:
+            dims = dims_of(q, k, v, sub)
+        sparse_decode_triton(q, k, v, sub, dims, scale=scale, out=out, num_splits=1)
+    return out
 
 
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
@@ -123,10 +149,11 @@ def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: 
     seq = torch.full((batch,), history, device="cuda")
     scale = d**-0.5
     dense = dense_subsets(r2t, rows, seq, hkv)
-    subsets = {"exact triton": dense}
+    subsets = {"exact triton": dense, f"exact triton{ONE_SPLIT}": dense}
     if history > budget + 4 + 80:
         sparse = _sparse(r2t, rows, seq, hkv, budget)
-        subsets |= {"loopserve triton": sparse, "loopserve torch": sparse}
+        subsets |= {"loopserve triton": sparse, f"loopserve triton{ONE_SPLIT}": sparse,
+                    "loopserve torch": sparse}
     out = torch.empty_like(q)
 
     def sdpa():
