@@ -232,6 +232,39 @@ def test_slot_table_reuses_slots_and_grows_keeping_rows():
         t.acquire("d")
 
 
+def test_slot_table_grows_by_at_most_grow_bytes_and_cuts_trailing_free_slots(monkeypatch):
+    from sgl_spec.sparse import slots as slots_mod
+
+    spec = {"k": BufferSpec((4, 8), torch.float32), "sel": BufferSpec((4,), torch.int64, -1, 1)}
+    t = SlotTable(3, spec, capacity=4)
+    assert t.slot_bytes == 3 * 4 * 8 * 4 + 4 * 8  # k in 3 layers, sel in one
+    monkeypatch.setattr(slots_mod, "GROW_BYTES", 3 * t.slot_bytes)  # 3 slots a step
+    rids = [f"r{i}" for i in range(11)]
+    for i, rid in enumerate(rids):
+        assert t.acquire(rid) == i
+        t.write("k", 2, torch.tensor([i]), torch.full((1, 4, 8), float(i)))
+    assert t.capacity == 13  # 4 -> 7 -> 10 -> 13, not 4 -> 8 -> 16
+    for rid in rids[5:]:
+        t.release(rid)  # 5 live of 13: trailing slots cut to the live ones + one step
+    assert t.capacity == 8 and len(t) == 5
+    assert t.rows("k", 2, torch.arange(5))[:, 0, 0].tolist() == [0, 1, 2, 3, 4]  # kept
+    assert [t.acquire(r) for r in ("x", "y", "z")] == [5, 6, 7]  # lowest free first
+    assert t.acquire("w") == 8 and t.capacity == 11
+    for rid in [*rids[:5], "x", "y", "z", "w"]:
+        t.release(rid)
+    assert t.capacity == 4 and len(t) == 0  # never below the initial capacity
+
+
+def test_slot_table_with_small_rows_doubles_and_never_shrinks():
+    t = SlotTable(2, {"x": BufferSpec((3,), torch.int64, -1)}, capacity=2)
+    for i in range(5):
+        t.acquire(str(i))
+    assert t.capacity == 8
+    for i in range(5):
+        t.release(str(i))
+    assert t.capacity == 8
+
+
 # ------------------------------------------------------------------ streaming
 
 

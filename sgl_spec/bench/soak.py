@@ -85,10 +85,18 @@ def measured_working_set(samples: list[dict]) -> int | None:
     return int(max(peaks))
 
 
-def server_rss(server: ServerProcess) -> int:
+def server_rss(server: ServerProcess) -> dict[str, int]:
+    """RSS per process of the server's tree, by name (``sglang::scheduler``, ...; the
+    launcher's own process is ``http``: it runs the HTTP server and tokenizer)."""
     root = psutil.Process(server.proc.pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]
-               if p.is_running())
+    out: dict[str, int] = {}
+    for i, p in enumerate([root, *root.children(recursive=True)]):
+        try:
+            name = "http" if i == 0 else p.name()
+            out[name] = out.get(name, 0) + p.memory_info().rss
+        except psutil.Error:
+            continue
+    return out
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -113,7 +121,9 @@ def live(url: str) -> dict[str, int] | None:
 
 
 def sample(server: ServerProcess, t0: float) -> dict:
-    s = {"t_s": time.monotonic() - t0, "rss_bytes": server_rss(server)}
+    by_process = server_rss(server)
+    s = {"t_s": time.monotonic() - t0, "rss_bytes": sum(by_process.values()),
+         "rss_by_process": by_process}
     try:
         s.update(_metrics(server.url))
         s.update(spec_state(server.url) or {})
