@@ -9,9 +9,9 @@
 //
 // One row at a time (rows split over threads): the row's keys are gathered as a list
 // (owned columns dropped, so no work is spent on them), then
-//   scores: 16 keys at a time, each dot product is D/16 vector multiply-adds over a
-//           contiguous key row, and a transpose-reduce tree turns the 16 partial
-//           vectors into one vector of 16 scores (no scalar horizontal sums);
+//   scores: W keys at a time (W the vector width), each dot product D/W vector
+//           multiply-adds over a contiguous key row, and a transpose-reduce turns the W
+//           partial vectors into one vector of W scores (no scalar horizontal sums);
 //   softmax: exact and two-pass over the row's scores, its exp a polynomial the
 //           compiler vectorises;
 //   P.V:    each value row is loaded once for the lg query heads of its KV head and
@@ -72,7 +72,7 @@ void run(const float* q, const float* k, const float* v, const uint8_t* owned,
       vf qv[LG][U];
       for (int h = 0; h < LG; ++h)
         for (int u = 0; u < U; ++u) qv[h][u] = ld(q + (h * R + r) * D + u * W);
-      for (int64_t j0 = 0; j0 < cp; j0 += W) {  // scores of 16 keys per head
+      for (int64_t j0 = 0; j0 < cp; j0 += W) {  // scores of W keys per head
         for (int h = 0; h < LG; ++h) {
           vf acc[W];
           for (int jj = 0; jj < W; ++jj) {
@@ -81,7 +81,7 @@ void run(const float* q, const float* k, const float* v, const uint8_t* owned,
             for (int u = 1; u < U; ++u) a += qv[h][u] * ld(kr + u * W);
             acc[jj] = a;
           }
-          st(s.data() + h * mp + j0, reduce16(acc));
+          st(s.data() + h * mp + j0, reduce_lanes(acc));
         }
       }
       float sum[LG], base[LG];
