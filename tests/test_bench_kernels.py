@@ -86,3 +86,23 @@ def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys)
         assert all(v > 0 for v in pt["ms"].values())
         assert all(e < 2e-2 for e in pt["rel_err"].values())  # bf16 against fp64
     assert "| 300 | 2 | loopserve cpu |" in capsys.readouterr().out
+
+
+def test_split_tune_table_marks_the_default_and_refuses_a_cpu_host(capsys):
+    """The split-rule tuner's table has a row per pair, the default marked, the ratio
+    column the geometric mean given; without CUDA it exits naming what it needs."""
+    from sgl_spec.bench import split_tune
+
+    pts = [{"history": 8192, "batch": 1,
+            "ms": {"1x1": {"exact": 2.0, "loopserve": 3.0},
+                   "2x4": {"exact": 2.5, "loopserve": 3.5}}}]
+    md = split_tune.markdown({"config": {"layers": 30, "repeats": 10, "gpu": "G",
+                                         "pairs": ["1x1", "2x4"], "default": "2x4"},
+                              "points": pts, "geomean_vs_default": {"1x1": 0.8, "2x4": 1.0},
+                              "best": "1x1"})
+    assert "| 2x4 (default) | 2.50 | 3.50 | 1x |" in md and "| 1x1 | 2.00 | 3.00 | 0.8x |" in md
+    assert md.rstrip().endswith("Best: 1x1.")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            split_tune.main(["--out", "unused"])
+        assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
