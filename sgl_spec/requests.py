@@ -88,7 +88,6 @@ class RequestHub:
         for fn in self._listeners:
             fn(rid)
 
-
     def offer_lines(self, rid: str, lines: Lines) -> None:
         _put(self._offered, rid, lines)
 

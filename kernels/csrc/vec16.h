@@ -1,7 +1,7 @@
 // fp32 vector helpers shared by sgl_spec's CPU kernels (GCC/Clang vector extensions;
 // built with -O3 -march=native). W is the machine's vector width: 16 lanes with
 // AVX-512, 8 with AVX2 (GCC lowers a 16-lane generic vector on AVX2 badly: splats and
-// accumulators go through the stack lane by lane, ~10x slower than two ymm registers).
+// accumulators go through the stack lane by lane; the decode kernel ran ~3x slower).
 // Kernels are written for any W. Header-only: each kernel source includes it.
 #pragma once
 

@@ -54,22 +54,14 @@ class SlotTable:
         self._buffers: dict[str, torch.Tensor] = {}
         self._capacity = 0
         self._initial = capacity
+        self.slot_bytes = sum(  # bytes of one slot's rows, over every buffer and layer
+            (spec.layers or num_layers) * torch.Size(spec.row_shape).numel()
+            * torch.empty((), dtype=spec.dtype).element_size() for spec in self.specs.values())
         self._resize(capacity)
 
     @property
     def capacity(self) -> int:
         return self._capacity
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot's rows, over every buffer and layer."""
-        total = 0
-        for spec in self.specs.values():
-            n = spec.layers or self.num_layers
-            for d in spec.row_shape:
-                n *= d
-            total += n * torch.empty((), dtype=spec.dtype).element_size()
-        return total
 
     def _step(self) -> int:
         """Slots one growth adds: double, or what ``GROW_BYTES`` holds if less."""
@@ -110,9 +102,11 @@ class SlotTable:
         if slot is None:
             return False
         heapq.heappush(self._free, slot)
-        if 2 * len(self._slots) <= self._capacity and self._capacity > self._initial:
-            top = max(self._slots.values(), default=-1) + 1
-            target = max(self._initial, top + self._step())
+        step = self._step()
+        half_free = 2 * len(self._slots) <= self._capacity
+        if step < self._capacity and half_free and self._capacity > self._initial:
+            # Only tables whose growth is capped by GROW_BYTES ever shrink.
+            target = max(self._initial, max(self._slots.values(), default=-1) + 1 + step)
             if target < self._capacity:
                 self._resize(target)
         return True

@@ -12,8 +12,8 @@
 // scores of its G query heads (W keys at a time, W the vector width: D/W multiply-adds
 // per key row, converted from bf16/fp16 once for the G heads, then a transpose-reduce
 // into W scores), an exact softmax over the chunk, and P.V one head at a time (its
-// accumulators in registers); it keeps its max, sum and unnormalised output. A second pass merges the chunks of
-// each (b, h) by their maxima. No K/V is gathered or copied: decode reads each row once.
+// accumulators in registers); it keeps its max, sum and unnormalised output. A second
+// pass merges the chunks of each (b, h) by their maxima. No K/V is gathered or copied.
 // The torch reference is reference.sparse_decode_reference; the tests compare the two.
 #include <torch/extension.h>
 
