@@ -140,6 +140,12 @@ FLAGS: tuple[Flag, ...] = (
          "Krul: the model's attention statistics, a file written by 'python -m "
          "sgl_spec.calibrate strategy'. Empty: measured once for --model-path into the "
          "cache dir."),
+    Flag("--spec-krul-profile", "krul", "profile_path", "path",
+         "Krul: this host's restore profile, written by 'python -m sgl_spec.calibrate "
+         "restore'. A demoted conversation then leaves the share of its rows that the "
+         "profile's host tier balances (a pyramid, most at the first layer) unstored, and "
+         "its restore recomputes them while the rest is loaded. Empty: every row is "
+         "stored and loaded (share 0, what this CPU's calibration chooses)."),
     Flag("--spec-disable", "", "disable", "bool",
          "Serve with stock sglang components (torch_native attention on CPU, sglang's "
          "default radix cache) for side-by-side comparison."),
@@ -271,12 +277,14 @@ class KrulConfig:
     max_error: float = 0.2
     codec: str = "k8v4"
     stats_path: str = ""
+    profile_path: str = ""
 
     def __post_init__(self):
         _check("krul", self)
-        if self.stats_path and not self.enable:
-            raise ValueError("--spec-krul-stats is read only with --spec-krul; valid: drop "
-                             "it, or add --spec-krul")
+        for flag, value in (("stats", self.stats_path), ("profile", self.profile_path)):
+            if value and not self.enable:
+                raise ValueError(f"--spec-krul-{flag} is read only with --spec-krul; valid: "
+                                 "drop it, or add --spec-krul")
 
 
 # SpecConfig's parts: field name (and FLAGS section) -> its config class.

@@ -21,8 +21,9 @@ SGLSPEC_CONFIG = "SGLSPEC_CONFIG"
 SGLSPEC_CPU_KERNELS = "SGLSPEC_CPU_KERNELS"
 # Where prepared models live (default: $XDG_CACHE_HOME/sgl_spec or ~/.cache/sgl_spec).
 SGLSPEC_CACHE_DIR = "SGLSPEC_CACHE_DIR"
-# Fault injection for tests: "1" flips one stored byte of every node Krul compresses,
-# after its checksum is taken (the load must be refused and the tokens recomputed).
+# Fault injection for tests: N flips one stored byte of each of the first N nodes Krul
+# compresses, after its checksum is taken (the load must be refused and the tokens
+# recomputed).
 SGLSPEC_KRUL_CORRUPT = "SGLSPEC_KRUL_CORRUPT"
 # sglang's own: a core group per CPU rank ("0|1"). The launcher sets it where the user
 # did not and ranks outnumber NUMA nodes (sgl_spec.integration.cpu.threads).
@@ -45,8 +46,13 @@ def cpu_kernels() -> str:
     return _choice(SGLSPEC_CPU_KERNELS, ("auto", "0", "1"))
 
 
-def krul_corrupt() -> bool:
-    return _choice(SGLSPEC_KRUL_CORRUPT, ("0", "1")) == "1"
+def krul_corrupt() -> int:
+    """How many of the first compressed nodes get a flipped byte (test-only)."""
+    value = os.environ.get(SGLSPEC_KRUL_CORRUPT, "0").strip()
+    if not value.isdigit():
+        raise ValueError(f"{SGLSPEC_KRUL_CORRUPT}={value!r} is invalid; valid values: a "
+                         "count of nodes, 0 or more")
+    return int(value)
 
 
 def spec_config_json() -> str | None:

@@ -114,6 +114,13 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
             load(cfg.krul.stats_path)
         except ValueError as exc:
             parser.error(f"--spec-krul-stats: {exc}")
+    if cfg.krul.profile_path:
+        from sgl_spec.krul.restore_cost import read_profile
+
+        try:
+            read_profile(cfg.krul.profile_path)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--spec-krul-profile: {exc}")
     return cfg, rest
 
 

@@ -85,11 +85,16 @@ def test_summary_counts_restored_conversations_and_splits_ttft_by_tier():
 
 
 def test_rows_differ_only_in_their_cache_flags():
-    flags = {r: sessions.row_args(r, "M", 1000, 2.0, 9000) for r in sessions.ROWS}
+    flags = {r: sessions.row_args(r, "M", 1000, 2.0, 9000, profile="p.json")
+             for r in sessions.ROWS}
     assert all(f[:7] == flags["recompute"][:7] for f in flags.values())
     assert "--enable-hierarchical-cache" not in flags["recompute"]
     assert flags["reference"][-1] == "9000"
     assert "--spec-krul" in flags["krul"] and "file" in flags["krul+file"]
     assert flags["krul-int8"][-2:] == ["--spec-krul-codec", "int8"]
+    assert flags["krul-recompute"][-3:] == ["--spec-krul", "--spec-krul-profile", "p.json"]
+    assert "krul-recompute" not in sessions.DEFAULT_ROWS
+    with pytest.raises(ValueError, match="needs a restore profile"):
+        sessions.row_args("krul-recompute", "M", 1000, 2.0, 9000)
     with pytest.raises(ValueError, match="valid: reference"):
         sessions.row_args("lmcache", "M", 1000, 2.0, 9000)

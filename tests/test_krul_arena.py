@@ -210,7 +210,8 @@ def test_int8_merges_pairs_and_checksums_its_scales():
 def test_a_page_round_trips_its_stored_bytes_and_catches_a_flipped_one(codec):
     a, s, k, v = _filled(n=4, codec=codec)
     page = a.export(s)
-    assert page.dtype == torch.uint8 and page.numel() == a.page_bytes(4) == 4 * L * a.row_bytes + 8
+    # every layer's rows, a bit per (layer, slot) for the unstored ones, a checksum
+    assert page.dtype == torch.uint8 and page.numel() == a.page_bytes(4) == 4 * L * a.row_bytes + -(-4 * L // 8) + 8
     t = a.alloc(4)
     assert a.load(t, page) and not a.damaged[t].any()
     assert a.checksum(t) == a.checksum(s)          # the same stored bytes, not re-encoded
@@ -234,6 +235,27 @@ def test_a_page_of_merged_slots_reads_back_as_their_reconstruction():
         assert torch.equal(a.read(l, t)[0], a.read(l, s)[0])
 
 
+def test_a_page_keeps_the_restore_pyramid_unstored():
+    """Slots compressed with unstored leading rows (a restore recomputes them) make a page
+    that loads back as the same map: the unstored rows stay unstored, their rows free."""
+    a, s, k, v = _filled(n=8)
+    unstored = [6, 3, 0, 0][:L] + [0] * max(0, L - 4)
+    a.compress(s, Strategy(L, ((L - 2, L - 1),)), unstored,
+               MergeParams(retain=0.0, max_error=1.0))
+    page = a.export(s)
+    free_before = a.rows.count
+    t = a.alloc(8)
+    assert a.load(t, page)
+    assert a.rows.count == free_before - 8 * L + sum(unstored)    # unstored rows given back
+    for l in range(L):
+        kt, vt, stored = a.read(l, t)
+        assert stored.tolist() == [i >= unstored[l] for i in range(8)]
+        assert torch.equal(kt, a.read(l, s)[0]) and torch.equal(vt, a.read(l, s)[1])
+    a.free(t)
+    a.free(s)
+    assert a.rows.count == a.k.shape[0]                           # nothing leaked
+
+
 def test_an_unlike_pair_is_rejected_on_a_sample_and_a_like_one_still_merges():
     n = 300                                     # over 2 * Arena.SAMPLE: the sample decides
     a = Arena(n, L, n * L, H, D, torch.float32)
@@ -251,3 +273,24 @@ def test_an_unlike_pair_is_rejected_on_a_sample_and_a_like_one_still_merges():
         assert (a.map[l, s] >= 0).all()         # left exact
     like = a.compress(s, Strategy(L, ((0, 1),)), [0] * L, params)
     assert like.pairs_skipped == 0 and like.tokens_merged == n
+
+
+def test_host_eviction_is_byte_driven():
+    """A compressed node of 10 tokens frees ~4 full-size tokens: eviction goes on until
+    the arena can take what was asked, and reports full-size tokens freed."""
+    from sgl_spec.krul.arena import evict_for_bytes
+
+    free = [0]
+    nodes = [10, 10, 10, 10]           # tokens per host node, each stored at 0.4x
+
+    def evict(k):
+        got = 0
+        while nodes and got < k:       # sglang's: whole nodes until k tokens
+            n = nodes.pop(0)
+            free[0] += int(n * 0.4)
+            got += n
+        return got
+
+    assert evict_for_bytes(lambda: free[0], evict, 10) == 12 and len(nodes) == 1
+    assert evict_for_bytes(lambda: free[0], evict, 12) == 4   # all that is left
+    assert evict_for_bytes(lambda: free[0], evict, 0) == 0

@@ -213,6 +213,23 @@ def test_krul_stats_file_is_checked_before_sglang_loads(tmp_path, capsys):
     assert "--spec-krul-stats" in capsys.readouterr().err
 
 
+def test_krul_restore_profile_is_checked_before_sglang_loads(tmp_path, capsys):
+    from sgl_spec.config import KrulConfig
+
+    bad = tmp_path / "restore.json"
+    for text, why in (("{", "not JSON"), ("{}", "not a restore profile"),
+                      ('{"format": 1, "shape": {}, "recompute_s": 1, "tiers": {"file": {}}}',
+                       "valid: file")):
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            split_argv(["--spec-krul", "--spec-krul-profile", str(bad)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--spec-krul-profile" in err and why in err, err
+    with pytest.raises(ValueError, match="--spec-krul-profile is read only with --spec-krul"):
+        KrulConfig(profile_path="x.json")
+
+
 def test_calibration_rows_and_statistics_file_round_trip(tmp_path):
     import torch
 

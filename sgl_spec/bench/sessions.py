@@ -14,7 +14,10 @@ only the cache differs:
 * ``hicache+file``: the same, plus sglang's ``file`` storage backend (L3);
 * ``krul``: ``--spec-krul`` (compressed host rows, k8v4) in the same host byte budget;
 * ``krul+file``: the same with the ``file`` backend (compressed pages);
-* ``krul-int8``: ``--spec-krul-codec int8``, for the accuracy the 4-bit values cost.
+* ``krul-int8``: ``--spec-krul-codec int8``, for the accuracy the 4-bit values cost;
+* ``krul-recompute``: ``krul`` with ``--spec-krul-profile`` (``--krul-profile FILE``): each
+  host copy leaves the profile's share unstored and a restore recomputes it (not in the
+  default rows: this CPU's own calibration chooses share 0).
 
 Every row replays the same prompts: the history's assistant turns are the gold answers,
 so TTFTs compare like with like. Per follow-up: TTFT, where its history came from (device,
@@ -52,7 +55,9 @@ MAX_NEW_TOKENS = 16
 OPENING = "Here is the output of the document tool. Read it; I will ask about it."
 HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
            "--hicache-mem-layout", "layer_first"]
-ROWS = ("reference", "recompute", "hicache", "hicache+file", "krul", "krul+file", "krul-int8")
+ROWS = ("reference", "recompute", "hicache", "hicache+file", "krul", "krul+file", "krul-int8",
+        "krul-recompute")
+DEFAULT_ROWS = ROWS[:-1]
 
 
 @dataclass(frozen=True)
@@ -174,12 +179,16 @@ KRUL = ["--spec-krul"]
 
 
 def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
-             total_tokens: int) -> list[str]:
+             total_tokens: int, profile: str | None = None) -> list[str]:
     """Server flags of a row: the same model and mode, only the cache flags differ."""
     hicache = HICACHE + ["--hicache-ratio", f"{host_ratio:.3f}"]
     cache = {"recompute": [], "hicache": hicache, "hicache+file": hicache + STORAGE,
              "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
-             "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"]}
+             "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"],
+             "krul-recompute": hicache + KRUL + ["--spec-krul-profile", profile or ""]}
+    if row == "krul-recompute" and not profile:
+        raise ValueError("row krul-recompute needs a restore profile: --krul-profile FILE "
+                         "(python -m sgl_spec.calibrate restore writes one)")
     base = ["--model-path", model, "--enable-cache-report", "--sleep-on-idle",
             "--spec-mode", "exact"]
     if row == "reference":
@@ -199,11 +208,13 @@ def _krul_branches(url: str) -> list[tuple[int, int]]:
 def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_dir: str,
              bar) -> dict:
     flags = row_args(row, model, args.device_tokens, args.host_ratio,
-                     total_tokens=len(sess) * (args.doc_tokens + 400) + 2048)
+                     total_tokens=len(sess) * (args.doc_tokens + 400) + 2048,
+                     profile=args.krul_profile)
     storage = tempfile.mkdtemp(prefix="sgl-spec-sessions-")
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage}
     answers: list[Answer] = []
     branches: list[tuple[int, int]] = []
+    krul: dict = {}
     try:
         with ServerProcess(SPEC, flags, env=env,
                            log_path=os.path.join(log_dir, f"server-{row}.log")) as server:
@@ -224,9 +235,11 @@ def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_di
                 bar.update()
                 if row.startswith("krul") and visit == 0 and i == len(sess) - 1:
                     branches = _krul_branches(server.url)
+            if row.startswith("krul"):
+                krul = requests.get(f"{server.url}/sgl_spec/cache", timeout=60).json()["krul"]
     finally:
         shutil.rmtree(storage, ignore_errors=True)
-    return {"answers": [asdict(a) for a in answers], "krul_branches": branches}
+    return {"answers": [asdict(a) for a in answers], "krul_branches": branches, "krul": krul}
 
 
 def summarize(rows: dict, ref: list[dict] | None) -> dict:
@@ -261,6 +274,10 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
             "krul_stored_over_full": (sum(s for s, _ in r["krul_branches"])
                                       / sum(f for _, f in r["krul_branches"])
                                       if r["krul_branches"] else None),
+            # Krul's restore pre-pass over the row (GET /sgl_spec/cache at its end)
+            "krul_recompute": {k: r.get("krul", {}).get(k) for k in (
+                "recompute_share", "recomputed_restores", "recomputed_token_layers",
+                "recompute_seconds")} if r.get("krul") else None,
         }
     return out
 
@@ -294,6 +311,13 @@ def markdown(res: dict) -> str:
     for name, v in res.get("ttft_rounds", {}).items():
         spread.append(f"- {name}: per round, host / storage / recomputed TTFT (ms): " + ", ".join(
             " / ".join(render.num(x, 1e3, 0) for x in r) for r in v))
+    for name in res["rows"]:
+        k = s[name].get("krul_recompute")
+        if k and k["recomputed_restores"]:
+            spread.append(f"- {name}: recompute share {k['recompute_share']:.3f}; "
+                          f"{k['recomputed_restores']} restores recomputed "
+                          f"{k['recomputed_token_layers']} token-layers in "
+                          f"{k['recompute_seconds']:.2f} s")
     return "\n".join([head, "", *table, "", *spread]) + "\n"
 
 
@@ -310,14 +334,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host-conversations", type=float, default=2.0, metavar="C",
                     help="host budget: HiCache's full copy holds about C conversations "
                     "(default 2); --hicache-ratio follows")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS, metavar="ROW",
-                    help=f"rows to play, in this order (default all: {', '.join(ROWS)}); "
-                    "without reference, no greedy agreement is reported")
+    ap.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS,
+                    metavar="ROW", help=f"rows to play, in this order (default: "
+                    f"{', '.join(DEFAULT_ROWS)}; also: krul-recompute); without reference, "
+                    "no greedy agreement is reported")
+    ap.add_argument("--krul-profile", metavar="FILE", default=None,
+                    help="the krul-recompute row's --spec-krul-profile")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for flag in ("conversations", "doc_tokens", "rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if "krul-recompute" in args.rows:
+        from sgl_spec.krul.restore_cost import read_profile
+
+        if not args.krul_profile:
+            ap.error("row krul-recompute needs --krul-profile FILE")
+        try:
+            read_profile(args.krul_profile)
+        except (OSError, ValueError) as exc:
+            ap.error(f"--krul-profile: {exc}")
     model = cli.model_path(ap, args.model_path, tokens=args.doc_tokens + 256)
     from transformers import AutoTokenizer
 

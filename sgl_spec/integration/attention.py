@@ -116,6 +116,10 @@ def create_backend(runner):
     cfg = current()
     # Runs in the scheduler process: the --spec-* flags arrive through the env.
     logger.info("sgl_spec attention backend, config %s", cfg.to_json())
+    if cfg.krul.enable:
+        from .krul_restore import bind
+
+        bind(runner)  # Krul's restore pre-pass runs this model's layers
     cuda = torch.device(runner.device).type == "cuda"
     if cuda and not cfg.decode.retrieval_head:
         return _delegate_on_cuda(runner, cfg)

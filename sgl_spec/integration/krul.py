@@ -1,23 +1,26 @@
-"""Krul inside sglang (issue 17): the host pool over Krul's arena, and compression when
-HiCache demotes a conversation.
+"""Krul inside sglang (issue 17): the host pool over Krul's arena, and compression of
+the host tier's copies.
 
 * ``KrulHostPool`` (``patch_host_pool``, an import hook on sglang's
   ``hybrid_pool_assembler``, only with ``--spec-krul``): sglang's MHA host pool whose
   token slots are logical, backed by ``sgl_spec.krul.arena.Arena`` rows shared by every
   layer, in the same byte budget as stock's pool. Backup and load go through the
   arena; a merged row is loaded as direction x the layer's magnitude.
-* ``Compressor``: when the tree demotes a node (its device copy is dropped while the
-  host copy stays; write-through already wrote that copy), the node's host slots are
-  compressed in place with the strategy, and a ``KrulMeta`` payload (bytes and an
-  xxh3 checksum) goes on the node. A load-back first verifies the checksums of the
-  nodes it would load: a mismatch refuses the load, so sglang recomputes; corrupt KV
-  is never served.
+* ``Compressor``: once a node's host copy is complete (its write-through acknowledged;
+  under a write-back policy, its demotion), its host slots are compressed in place with
+  the strategy, and a ``KrulMeta`` payload (bytes and an xxh3 checksum) goes on the
+  node. The host copy is read only after the device copy is dropped, so compressing it
+  early changes nothing served, and sglang's L3 backup, written right after, holds the
+  compressed pages. A load-back first verifies the checksums of the nodes it would
+  load: a mismatch refuses the load, so sglang recomputes; corrupt KV is never served.
 
-Step 2 of docs/design/krul.md: every stored row is loaded (nothing is left for a
-recompute pre-pass yet), and the strategy is the model's ("Krul (Fix)",
-``sgl_spec.krul.calibrate``) until the per-conversation estimator lands. An L3 storage
-backend on sglang's generic page path (``file``) stores the compressed rows as they are
-(``Arena.export``, with a checksum per page); zero-copy backends are refused.
+With a restore profile (``--spec-krul-profile``) whose host tier chooses a share > 0,
+a compressed node also leaves its part of the restore pyramid unstored, and a load-back
+recomputes it (``krul_restore``); without one every stored row is loaded. The strategy
+is the model's ("Krul (Fix)", ``sgl_spec.krul.calibrate``) until the per-conversation
+estimator lands. An L3 storage backend on sglang's generic page path (``file``) stores
+the compressed rows as they are (``Arena.export``, with a checksum per page and a mask
+of the unstored rows); zero-copy backends are refused.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from sgl_spec.config import KrulConfig, current
 from sgl_spec.krul.arena import Arena, Compressed
 from sgl_spec.krul.codec import codec_class
 from sgl_spec.krul.merge import MergeParams
+from sgl_spec.krul.pyramid import pyramid
 from sgl_spec.krul.select import Strategy
 
 logger = logging.getLogger(__name__)
@@ -103,16 +107,16 @@ class KrulHostPool(MHATokenToKVPoolHost):
             return
         with self.lock:
             k, v, stored = self.arena.read(layer_id, host_indices)
-        if not bool(stored.all()):
-            raise RuntimeError("krul: a load reached unstored rows (no recompute pre-pass yet)")
         dev = device_indices.to(self.device_k_buffers[layer_id].device)
+        if not bool(stored.all()):  # the restore's pre-pass recomputed the others
+            dev, k, v = dev[stored.to(dev.device)], k[stored], v[stored]
         self.device_k_buffers[layer_id][dev] = k
         self.device_v_buffers[layer_id][dev] = v
 
     @synchronized
-    def compress(self, slots: torch.Tensor, strategy: Strategy, params: MergeParams
-                 ) -> Compressed:
-        return self.arena.compress(slots, strategy, [0] * self.layer_num, params)
+    def compress(self, slots: torch.Tensor, strategy: Strategy, unstored: list[int],
+                 params: MergeParams) -> Compressed:
+        return self.arena.compress(slots, strategy, unstored, params)
 
     # Storage pages (sglang's generic page path: the ``file`` backend): a page is the
     # slots' rows as the codec stores them, every layer, and a checksum (Arena.export).
@@ -201,8 +205,9 @@ def strategy_for(cfg: KrulConfig, num_model_layers: int, pool_layers: int) -> St
 
 
 class Compressor:
-    """Compresses demoted nodes and checks them before a load. Driven by the
-    scheduler thread (the tree's demotions and the cache's load-backs)."""
+    """Compresses host copies and checks them before a load. Driven by the scheduler
+    thread (the tree's write-through acknowledgements and demotions, the cache's
+    load-backs)."""
 
     def __init__(self, cache, cfg: KrulConfig):
         self.cache, self.cfg = cache, cfg
@@ -211,6 +216,10 @@ class Compressor:
         self.refused_loads = 0
         self.pairs_skipped = 0  # pairs left exact (their merge erred over max_error)
         self.corrupt = envs.krul_corrupt()
+        self._share: float | None = None  # of each demoted history left for a recompute
+        from .krul_restore import Recompute
+
+        self.recompute = Recompute()
 
     def pool(self) -> KrulHostPool | None:
         ctl = getattr(self.cache, "cache_controller", None)
@@ -227,19 +236,64 @@ class Compressor:
                         self._strategy.pairs, self._strategy.input_sensitive)
         return self._strategy
 
-    def on_demote(self, node) -> None:
-        """The tree dropped ``node``'s device copy; its host copy is compressed."""
+    def share(self, pool: KrulHostPool) -> float:
+        """The recompute share of a restore: the restore profile's host tier (0 without
+        one, or where this process cannot run the pre-pass)."""
+        if self._share is None:
+            self._share = 0.0
+            from . import krul_restore
+            from sgl_spec.krul.restore_cost import host_share, read_profile
+
+            why = krul_restore.unsupported()
+            if not self.cfg.profile_path:
+                logger.info("sgl_spec krul: no --spec-krul-profile: restores load every "
+                            "stored row (python -m sgl_spec.calibrate restore measures "
+                            "whether recomputing a share pays on this host)")
+            elif why is not None:
+                logger.warning("sgl_spec krul: --spec-krul-profile ignored, restores load "
+                               "every row: %s", why)
+            else:
+                # Every row weighs a full load: a chosen pair merges only where its KV
+                # are alike (--spec-krul-max-error), which is not known up front.
+                L = model_layers(pool.layer_num)
+                self._share = host_share(read_profile(self.cfg.profile_path), L)
+                logger.info("sgl_spec krul: restore profile %s: recompute share %.3f of "
+                            "each demoted history", self.cfg.profile_path, self._share)
+        return self._share
+
+    def unstored(self, pool: KrulHostPool, node) -> list[int]:
+        """Rows per pool layer that ``node`` leaves unstored: its part of the pyramid of
+        the history it ends (model layers only; SpeContext's head layer keeps all)."""
+        share = self.share(pool)
+        L = model_layers(pool.layer_num)
+        out = [0] * pool.layer_num
+        if share <= 0:
+            return out
+        root, start, p = self.cache.tree_core.root_node, 0, node.parent
+        while p is not None and p is not root:
+            start += len(p.key)
+            p = p.parent
+        n = len(node.key)
+        for layer, u in enumerate(pyramid(start + n, L, share)):
+            out[layer] = min(max(u - start, 0), n)
+        return out
+
+    def compress(self, node) -> None:
+        """``node``'s host copy is complete (its write-through was acknowledged, or the
+        tree dropped its device copy): it is compressed in place, before sglang writes
+        its storage pages, so the host tier and L3 hold only the compressed form."""
         pool = self.pool()
         host = node.component_data[BASE_COMPONENT_TYPE].host_value
         if pool is None or host is None or KRUL in (node.spec.payloads or {}):
             return
-        c = pool.compress(host, self.strategy(pool), self.params)
+        c = pool.compress(host, self.strategy(pool), self.unstored(pool, node), self.params)
         self.pairs_skipped += c.pairs_skipped
         self._record(node, pool, c.tokens_merged, c.tokens_retained)
-        if self.corrupt:  # test-only fault injection (SGLSPEC_KRUL_CORRUPT)
+        if self.corrupt:  # test-only fault injection (SGLSPEC_KRUL_CORRUPT nodes)
+            self.corrupt -= 1
             with pool.lock:
-                m = pool.arena.map[:, int(host[0])]
-                row = int(m[m >= 0][0]) if bool((m >= 0).any()) else int(-2 - m[0])
+                m = pool.arena.map[:, host.cpu().long()]
+                row = int(m[m >= 0][0]) if bool((m >= 0).any()) else int(-2 - m[m <= -2][0])
                 pool.arena.k[row].view(torch.uint8).view(-1)[0] ^= 1
 
     def _record(self, node, pool: KrulHostPool, merged: int, retained: int) -> None:
@@ -296,6 +350,29 @@ class Compressor:
             node = node.parent
         return True
 
+    def can_recompute(self) -> bool:
+        """Whether a restore with unstored rows can run here (else it is recomputed
+        whole, as a load that is refused)."""
+        from .krul_restore import unsupported
+
+        why = unsupported()
+        if why is not None:
+            self.refused_loads += 1
+            logger.warning("sgl_spec krul: a restore needs a recompute pre-pass that cannot "
+                           "run here (%s); its tokens are recomputed", why)
+        return why is None
+
+    def restore_plan(self, node):
+        """What a load-back of ``node`` must recompute (``krul_restore.plan``), or None."""
+        pool = self.pool()
+        if pool is None:
+            return None
+        from .krul_restore import plan
+
+        with pool.lock:
+            return plan(node, self.cache.tree_core.root_node, pool.arena,
+                        model_layers(pool.layer_num))
+
     def totals(self) -> dict:
         """Compressed nodes in the tree and their bytes (for ``GET /sgl_spec/cache``)."""
         out = {"nodes": 0, "tokens": 0, "stored_bytes": 0, "full_bytes": 0,
@@ -315,4 +392,6 @@ class Compressor:
         pool = self.pool()
         if pool is not None:
             out["host_available_tokens"] = pool.available_size()
+        out["recompute_share"] = self._share or 0.0
+        out.update(self.recompute.totals())
         return out

@@ -193,9 +193,33 @@ class TaggedRadixCache(SpecRadixCache):
 
     def load_back(self, node_id, mem_quota=None, req=None) -> bool:
         # Krul: a compressed node that fails its checksum is never loaded (recomputed).
-        if self.krul is not None and not self.krul.verify_path(self.tree_core.node_by_id(node_id)):
+        if self.krul is None:
+            return super().load_back(node_id, mem_quota, req)
+        node = self.tree_core.node_by_id(node_id)
+        if not self.krul.verify_path(node):
             return False
-        return super().load_back(node_id, mem_quota, req)
+        # Rows a restore recomputes (the profile's pyramid): read before the load commits
+        # the device slots, run once it has (sglang's loader then brings the rest).
+        restore = self.krul.restore_plan(node)
+        if restore is not None and not self.krul.can_recompute():
+            return False
+        if not super().load_back(node_id, mem_quota, req):
+            return False
+        if restore is not None:
+            self.krul.recompute.run(restore, self.tree_core.root_node)
+        return True
+
+    def evict_host(self, num_tokens: int, component_type=ComponentType.FULL) -> int:
+        # Krul: compressed nodes free fewer bytes than their tokens take at full size, so
+        # evict until the host pool can take ``num_tokens`` full-size tokens.
+        pool = self.krul.pool() if self.krul is not None else None
+        if pool is None or component_type != ComponentType.FULL:
+            return super().evict_host(num_tokens, component_type)
+        from sgl_spec.krul.arena import evict_for_bytes
+
+        stock = super().evict_host
+        return evict_for_bytes(pool.available_size, lambda n: stock(n, component_type),
+                               num_tokens)
 
     def summary(self) -> dict:
         out = super().summary()

@@ -327,7 +327,15 @@ class SpecTreeCore(UnifiedTreeCore):
     def _demote(self, node, tracker, device_frees, host_frees, cache_actions):
         super()._demote(node, tracker, device_frees, host_frees, cache_actions)
         if self.krul is not None:
-            self.krul.on_demote(node)
+            self.krul.compress(node)  # a write-back policy's copy: complete only now
+
+    def finish_write_through(self, node_ids, ack_id) -> None:
+        super().finish_write_through(node_ids, ack_id)
+        if self.krul is not None:  # Krul: host copies are compressed once complete
+            for node_id in node_ids:
+                node = self.node_by_id(node_id)
+                if node.write_through_pending_id is None:
+                    self.krul.compress(node)
 
     def evict_device_start(self, component_type, request_cnt):
         if self.turn_eviction and component_type == BASE_COMPONENT_TYPE:

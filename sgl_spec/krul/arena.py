@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -276,16 +277,17 @@ class Arena:
 
     # --- storage pages (an L3 backend such as sglang's ``file``) ---------------------------
     def page_bytes(self, n: int) -> int:
-        """A page of n slots as ``export`` writes it: every layer's rows, then a checksum."""
-        return n * self.L * self.row_bytes + 8
+        """A page of n slots as ``export`` writes it: every layer's rows, a bitmask of the
+        unstored ones, then a checksum."""
+        return n * self.L * self.row_bytes + -(-n * self.L // 8) + 8
 
     def export(self, slots: torch.Tensor) -> torch.Tensor:
         """The slots' rows at every layer (layer-major) as stored, merged entries re-encoded
-        whole, then an xxh3_64 of those bytes: a fixed-size flat uint8 page."""
+        whole and unstored ones zero, the bitmask of the unstored, then an xxh3_64 of
+        those bytes: a fixed-size flat uint8 page."""
         slots = slots.cpu().long()
         m = self.map[:, slots]
-        if bool((m == UNSTORED).any()):
-            raise RuntimeError("krul: a storage page cannot hold unstored rows")
+        gone = m == UNSTORED
         if bool((m >= 0).all()):
             body = self.store.row_bytes_of(m.reshape(-1))
         else:
@@ -298,23 +300,36 @@ class Arena:
                 scratch = type(self.store)(len(slots), self.H, self.D, self.dtype)
                 idx = torch.arange(len(slots))
                 scratch.put(idx, k, v)
-                parts.append(scratch.row_bytes_of(idx))
+                rows = scratch.row_bytes_of(idx)
+                rows[gone[layer]] = 0
+                parts.append(rows)
             body = torch.cat(parts)
-        body = body.reshape(-1)
+        mask = torch.from_numpy(np.packbits(gone.reshape(-1).numpy()))
+        body = torch.cat([body.reshape(-1), mask])
         digest = xxhash.xxh3_64_digest(body.numpy().tobytes())
         return torch.cat([body, torch.frombuffer(bytearray(digest), dtype=torch.uint8)])
 
     def load(self, slots: torch.Tensor, page: torch.Tensor) -> bool:
-        """Inverse of ``export`` into freshly allocated slots; False (and the slots
-        marked ``damaged``, so a load refuses them) when the checksum fails."""
+        """Inverse of ``export`` into freshly allocated slots (the rows of unstored
+        entries go back to the arena); False (and the slots marked ``damaged``, so a
+        load refuses them) when the checksum fails."""
         slots = slots.cpu().long()
         page = page.reshape(-1).view(torch.uint8)
-        if page.numel() != self.page_bytes(len(slots)):
-            raise ValueError(f"a page of {page.numel()} bytes for {len(slots)} slots; "
-                             f"expected {self.page_bytes(len(slots))}")
+        n = len(slots)
+        if page.numel() != self.page_bytes(n):
+            raise ValueError(f"a page of {page.numel()} bytes for {n} slots; "
+                             f"expected {self.page_bytes(n)}")
         body = page[:-8]
         ok = xxhash.xxh3_64_digest(body.numpy().tobytes()) == page[-8:].numpy().tobytes()
-        self.store.put_row_bytes(self.map[:, slots].reshape(-1), body.view(-1, self.row_bytes))
+        rows_end = n * self.L * self.row_bytes
+        m = self.map[:, slots]
+        self.store.put_row_bytes(m.reshape(-1), body[:rows_end].view(-1, self.row_bytes))
+        bits = np.unpackbits(body[rows_end:].numpy(), count=n * self.L)
+        gone = torch.from_numpy(bits.astype(bool)).view(self.L, n)
+        if ok and bool(gone.any()):
+            self.rows.push(m[gone].clone())
+            layer_idx, tok = gone.nonzero(as_tuple=True)
+            self.map[layer_idx, slots[tok]] = UNSTORED
         self.damaged[slots] = not ok
         return ok
 
@@ -335,3 +350,20 @@ class Arena:
                     h.update(t.view(torch.uint8).numpy().tobytes())
                 h.update(self.mag[self.mag_of[layer, slots][mer]].view(torch.uint8).numpy().tobytes())
         return h.intdigest()
+
+
+def evict_for_bytes(available, evict, need: int, max_rounds: int = 64) -> int:
+    """Evict host nodes until ``need`` more full-size tokens are free (byte-driven).
+
+    sglang's ``evict_host(n)`` counts the tokens of the nodes it evicts; a compressed node
+    frees fewer bytes than its tokens take at full size, so one call can report ``n``
+    evicted while the arena still cannot take n tokens. ``available()`` is the arena's
+    free room in full-size tokens, ``evict(k)`` sglang's eviction (tokens evicted; 0 when
+    nothing is left). Returns the full-size tokens freed."""
+    before = available()
+    want = before + need
+    for _ in range(max_rounds):
+        short = want - available()
+        if short <= 0 or evict(short) == 0:
+            break
+    return available() - before

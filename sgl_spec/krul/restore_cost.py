@@ -208,3 +208,31 @@ def cost_of(prof: dict, tier: str) -> RestoreCost:
         raise ValueError(f"no {tier!r} tier in the restore profile; valid: "
                          f"{', '.join(prof['tiers'])}")
     return RestoreCost(prof["recompute_s"], prof["tiers"][tier]["load_s"])
+
+
+def read_profile(path: str) -> dict:
+    """A profile file (``python -m sgl_spec.calibrate restore --out``), checked: its format
+    and a ``host`` tier, whose share the server uses. OSError / ValueError otherwise."""
+    import json
+
+    with open(path) as f:
+        try:
+            prof = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path!r} is not JSON ({exc})") from None
+    if not isinstance(prof, dict) or "tiers" not in prof or "shape" not in prof:
+        raise ValueError(f"{path!r} is not a restore profile (python -m sgl_spec.calibrate "
+                         "restore writes one)")
+    cost_of(prof, "host")
+    return prof
+
+
+def host_share(prof: dict, num_layers: int, load_weight: list[float] | None = None) -> float:
+    """The recompute share for a model of ``num_layers`` from a profile's host tier: T_C
+    and T_L both grow with the history, so the share chosen at the profile's length holds
+    for others; ``load_weight`` (per layer, 1 = an own row) as ``pyramid.times``."""
+    if prof["shape"]["num_layers"] != num_layers:
+        raise ValueError(f"the restore profile was measured for {prof['shape']['num_layers']} "
+                         f"layers; this model has {num_layers}")
+    weight = [1.0] * num_layers if load_weight is None else load_weight
+    return choose_share(cost_of(prof, "host"), int(prof["tokens"]), weight)

@@ -1,0 +1,205 @@
+"""Krul's recompute pre-pass inside sglang (Sec 6; docs/design/krul.md §5).
+
+With a restore profile whose host tier chooses a share > 0 (``--spec-krul-profile``),
+a demoted node keeps no rows for the first positions of each layer (a pyramid, most at
+layer 0), and HiCache's load-back brings back the rest. The tree still reports the whole
+path host-resident, so sglang's ``load_back`` allocates device slots for every token and
+queues the load; ``TaggedRadixCache.load_back`` then calls ``recompute``, which fills
+the unstored rows by running the model's own layers on those tokens
+(``sgl_spec.krul.prepass``) before the load runs. The pre-pass needs only the
+device-resident prefix and what it computes itself, so it is issued at once: on a GPU its
+kernels run on the compute stream while HiCache's loader copies the stored rows on its
+own stream (the paper's overlap; unverified, no GPU run yet); on a CPU the two run one
+after the other, and the calibration there chooses share 0.
+
+``bind`` is called by the attention backend factory (the model runner is not the
+cache's to reach); without it, or for a model that is not Llama-shaped, or with
+pipeline parallelism, ``unsupported`` names the reason and the share is 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_TYPE
+
+from sgl_spec.attention.extend import exact_extend
+from sgl_spec.krul import prepass
+from sgl_spec.krul.arena import UNSTORED
+from sgl_spec.krul.pyramid import restore_lengths
+
+logger = logging.getLogger(__name__)
+
+_RUNNER = None
+
+
+def bind(runner) -> None:
+    """The model runner whose layers the pre-pass runs: the first the attention backend
+    is built for, the target (a draft model's runner comes later)."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = runner
+
+
+def unsupported() -> str | None:
+    """Why this process cannot recompute a restore's front, or None."""
+    if _RUNNER is None:
+        return "the attention backend is not sgl_spec's (--attention-backend sgl_spec binds the model)"
+    from sglang.srt.runtime_context import get_parallel
+
+    if get_parallel().pp_group.world_size > 1:
+        return "pipeline parallelism (a rank holds only some layers)"
+    layers = getattr(getattr(_RUNNER.model, "model", None), "layers", None)
+    need = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+    if not layers or not all(hasattr(lyr, a) for lyr in layers for a in need) or not all(
+            hasattr(lyr.self_attn, a) for lyr in layers
+            for a in ("qkv_proj", "rotary_emb", "o_proj", "attn")):
+        return f"{type(_RUNNER.model).__name__} is not a Llama/Qwen2-shaped model"
+    return None
+
+
+def _reduce(module, x: torch.Tensor) -> torch.Tensor:
+    """The all-reduce sglang's layer boundary does after a row-parallel projection."""
+    if getattr(module, "reduce_results", True) or getattr(module, "tp_size", 1) == 1:
+        return x
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(x)
+
+
+class SglangOps:
+    """``prepass.LayerOps`` over an sglang Llama / Qwen2 model: its own modules, so the
+    recomputed KV is rounded as a prefill's."""
+
+    def __init__(self, model):
+        self.model = model.model
+        self.layers = self.model.layers
+        self.num_layers = len(self.layers)
+
+    def embed(self, ids):
+        return self.model.embed_tokens(ids)
+
+    def qkv(self, layer, x, positions):
+        a = self.layers[layer].self_attn
+        qkv, _ = a.qkv_proj(x)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q, k = a.rotary_emb(positions, q, k)
+        r = a.attn
+        m = x.shape[0]
+        return (q.reshape(m, r.tp_q_head_num, r.qk_head_dim),
+                k.reshape(m, r.tp_k_head_num, r.qk_head_dim),
+                v.reshape(m, r.tp_v_head_num, r.v_head_dim))
+
+    def attn_out(self, layer, o):
+        a = self.layers[layer].self_attn
+        out, _ = a.o_proj(o.reshape(o.shape[0], -1))
+        return _reduce(a.o_proj, out)
+
+    def norm(self, layer, which, h, residual):
+        lyr = self.layers[layer]
+        norm = lyr.input_layernorm if which == 0 else lyr.post_attention_layernorm
+        if residual is None:
+            return norm(h), h
+        return norm(h, residual)
+
+    def mlp(self, layer, x):
+        mlp = self.layers[layer].mlp
+        return _reduce(mlp.down_proj, mlp(x))
+
+    def scale(self, layer):
+        return self.layers[layer].self_attn.attn.scaling
+
+
+class RestorePlan(NamedTuple):
+    """A load-back's recompute, from the path as it was before the load."""
+
+    node: object             # the load's deepest node
+    device_prefix: int       # D: tokens whose KV stayed on the device
+    lengths: tuple[int, ...]  # R per model layer: recompute [D, R_l)
+
+
+def _path(node, root) -> list:
+    out = []
+    while node is not None and node is not root:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
+
+
+def plan(node, root, arena, num_layers: int) -> RestorePlan | None:
+    """What a load-back of ``node`` must recompute: the unstored rows of its host-only
+    nodes (the arena's maps), as pyramid lengths; None when every row is stored."""
+    pos, D, unstored = 0, None, [0] * num_layers
+    for nd in _path(node, root):
+        cd = nd.component_data[BASE_COMPONENT_TYPE]
+        if cd.value is None and cd.host_value is not None:
+            D = pos if D is None else D
+            gone = (arena.map[:num_layers, cd.host_value.cpu().long()] == UNSTORED)
+            counts = gone.sum(dim=1).tolist()       # a node's unstored rows lead its slots
+            unstored = [max(u, pos + c) if c else u for u, c in zip(unstored, counts)]
+        pos += len(nd.key)
+    if D is None or not any(unstored):
+        return None
+    return RestorePlan(node, D, restore_lengths(unstored, D, pos))
+
+
+class Recompute:
+    """Runs restore plans after sglang's load-back allocated their device slots; counts
+    them (``GET /sgl_spec/cache``)."""
+
+    def __init__(self):
+        self.restores = 0
+        self.token_layers = 0
+        self.seconds = 0.0
+
+    def run(self, p: RestorePlan, root) -> None:
+        nodes = _path(p.node, root)
+        slots = torch.cat([nd.component_data[BASE_COMPONENT_TYPE].value for nd in nodes])
+        D, R = p.device_prefix, p.lengths
+        ids = []
+        pos = 0
+        for nd in nodes:
+            end = pos + len(nd.key)
+            if end > D and pos < R[0]:
+                toks = list(nd.key.token_ids[:len(nd.key)])
+                ids.extend(toks[max(D - pos, 0):R[0] - pos])
+            pos = end
+        runner = _RUNNER
+        pool = runner.token_to_kv_pool
+        dev = pool.get_key_buffer(0).device
+        slots = slots.to(dev).long()
+        ops = SglangOps(runner.model)
+
+        def write(layer, start, k, v):
+            loc = slots[start:start + k.shape[0]]
+            pool.set_kv_buffer(ops.layers[layer].self_attn.attn, KVWriteLoc(loc, None), k, v)
+
+        def attend(layer, q, end):
+            lid = ops.layers[layer].self_attn.attn.layer_id
+            idx = slots[:end]
+            k = pool.get_key_buffer(lid).index_select(0, idx)
+            v = pool.get_value_buffer(lid).index_select(0, idx)
+            return exact_extend(q, k, v, D, ops.scale(layer))
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            done = prepass.run(ops, torch.tensor(ids, dtype=torch.int64, device=dev), D, R,
+                               write, attend)
+        if dev.type == "cuda":
+            # The extend that follows may run on sglang's forward stream (overlap
+            # scheduling): it must see these rows. Unverified on a GPU.
+            torch.cuda.current_stream(dev).synchronize()
+        self.seconds += time.perf_counter() - t0
+        self.restores += 1
+        self.token_layers += done
+        logger.debug("sgl_spec krul: recomputed %d token-layers of a restore (prefix %d, "
+                     "R_0 %d)", done, D, R[0])
+
+    def totals(self) -> dict:
+        return {"recomputed_restores": self.restores,
+                "recomputed_token_layers": self.token_layers,
+                "recompute_seconds": round(self.seconds, 4)}

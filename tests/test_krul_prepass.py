@@ -1,0 +1,108 @@
+"""The restore pre-pass (Krul Sec 6) recomputes exactly the KV a full forward made:
+a small random Llama in transformers (float32) is the reference; the pre-pass gets its
+pieces through ``LayerOps`` and the other rows from the reference's own cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_spec.attention.extend import exact_extend
+from sgl_spec.krul import prepass
+from sgl_spec.krul.pyramid import pyramid, restore_lengths
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
+
+LAYERS, HQ, HKV, D = 4, 4, 2, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=HQ * D, intermediate_size=96,
+                                   num_hidden_layers=LAYERS, num_attention_heads=HQ,
+                                   num_key_value_heads=HKV, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+class HFOps:
+    """A transformers Llama as ``prepass.LayerOps``."""
+
+    def __init__(self, model):
+        self.m = model.model
+        self.num_layers = len(self.m.layers)
+
+    def embed(self, ids):
+        return self.m.embed_tokens(ids)
+
+    def qkv(self, layer, x, positions):
+        a = self.m.layers[layer].self_attn
+        q = a.q_proj(x).view(-1, HQ, D).transpose(0, 1)[None]
+        k = a.k_proj(x).view(-1, HKV, D).transpose(0, 1)[None]
+        v = a.v_proj(x).view(-1, HKV, D)
+        cos, sin = self.m.rotary_emb(x[None], positions[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v
+
+    def attn_out(self, layer, o):
+        return self.m.layers[layer].self_attn.o_proj(o.reshape(o.shape[0], -1))
+
+    def norm(self, layer, which, h, residual):
+        h = h if residual is None else h + residual
+        lyr = self.m.layers[layer]
+        return (lyr.input_layernorm if which == 0 else lyr.post_attention_layernorm)(h), h
+
+    def mlp(self, layer, x):
+        return self.m.layers[layer].mlp(x)
+
+    def scale(self, layer):
+        return D ** -0.5
+
+
+def _reference_kv(model, ids):
+    """K (post-RoPE) and V [L, n, Hkv, D] of a full forward over ``ids``."""
+    with torch.no_grad():
+        cache = model(ids[None], use_cache=True).past_key_values
+    k = torch.stack([lyr.keys[0].transpose(0, 1) for lyr in cache.layers])
+    v = torch.stack([lyr.values[0].transpose(0, 1) for lyr in cache.layers])
+    return k, v
+
+
+@pytest.mark.parametrize("n,prefix,share", [(40, 0, 0.5), (40, 7, 0.5), (33, 5, 1.0),
+                                            (50, 12, 0.2), (24, 24, 0.5)])
+def test_prepass_recomputes_the_forward_kv(model, n, prefix, share):
+    torch.manual_seed(n + prefix)
+    ids = torch.randint(0, 97, (n,))
+    ref_k, ref_v = _reference_kv(model, ids)
+    unstored = pyramid(n, LAYERS, share)
+    R = restore_lengths(unstored, prefix, n)
+    # The pool: the device prefix and the stored rows hold the reference; the rest NaN.
+    k, v = torch.full_like(ref_k, float("nan")), torch.full_like(ref_v, float("nan"))
+    for layer, u in enumerate(unstored):
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[prefix:max(u, prefix)] = False
+        k[layer, keep], v[layer, keep] = ref_k[layer, keep], ref_v[layer, keep]
+    ops = HFOps(model)
+
+    def write(layer, start, kk, vv):
+        k[layer, start:start + len(kk)], v[layer, start:start + len(vv)] = kk, vv
+
+    def attend(layer, q, end):
+        return exact_extend(q, k[layer, :end], v[layer, :end], prefix, ops.scale(layer))
+
+    with torch.no_grad():
+        done = prepass.run(ops, ids[prefix:R[0]], prefix, R, write, attend)
+    assert done == sum(r - prefix for r in R)
+    assert not k.isnan().any() and not v.isnan().any()     # every row is there
+    torch.testing.assert_close(k, ref_k, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(v, ref_v, atol=2e-5, rtol=1e-4)
+
+
+def test_prepass_rejects_bad_lengths(model):
+    ops = HFOps(model)
+    with pytest.raises(ValueError, match="non-increasing"):
+        prepass.run(ops, torch.arange(5), 0, [3, 5, 0, 0], None, None)
+    with pytest.raises(ValueError, match="token ids"):
+        prepass.run(ops, torch.arange(4), 0, [5, 5, 0, 0], None, None)
+    assert prepass.run(ops, torch.arange(0), 3, [3, 3, 3, 3], None, None) == 0
