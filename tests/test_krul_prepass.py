@@ -106,3 +106,38 @@ def test_prepass_rejects_bad_lengths(model):
     with pytest.raises(ValueError, match="token ids"):
         prepass.run(ops, torch.arange(4), 0, [5, 5, 0, 0], None, None)
     assert prepass.run(ops, torch.arange(0), 3, [3, 3, 3, 3], None, None) == 0
+
+
+def test_restore_plan_reads_the_unstored_extents_of_the_host_only_nodes():
+    """A path of three nodes: the first stays on the device, the other two are host-only,
+    compressed with their parts of one pyramid. The plan starts at the device prefix and
+    recomputes up to the pyramid at each layer; a fully stored path needs no plan."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from sgl_spec.integration.krul_restore import BASE_COMPONENT_TYPE, plan
+    from sgl_spec.krul.arena import Arena
+    from sgl_spec.krul.select import Strategy
+
+    L, lens = 4, (5, 6, 9)
+    arena = Arena(64, L, 64 * L, 2, 8, torch.float32)
+    U = pyramid(sum(lens), L, 0.6)                      # over the whole history
+    root = SimpleNamespace(parent=None)
+    node, pos = root, 0
+    for i, n in enumerate(lens):
+        host = arena.alloc(n)
+        for layer in range(L):
+            arena.write(layer, host, torch.randn(n, 2, 8), torch.randn(n, 2, 8))
+        if i:                                            # the host-only ones
+            arena.compress(host, Strategy(L, ()), [min(max(u - pos, 0), n) for u in U])
+        data = SimpleNamespace(value=torch.arange(n) if i == 0 else None, host_value=host)
+        node = SimpleNamespace(parent=node, key=[0] * n,
+                               component_data={BASE_COMPONENT_TYPE: data})
+        pos += n
+    p = plan(node, root, arena, L)
+    assert p.node is node and p.device_prefix == lens[0]
+    assert p.lengths == restore_lengths(U, lens[0], sum(lens))
+    assert p.lengths[0] == max(U[0], lens[0]) and p.lengths[-1] >= lens[0]
+    stored = SimpleNamespace(parent=root, key=[0] * 3, component_data={
+        BASE_COMPONENT_TYPE: SimpleNamespace(value=None, host_value=arena.alloc(3))})
+    assert plan(stored, root, arena, L) is None

@@ -42,7 +42,7 @@ def _args(model_path: str) -> list[str]:
         # Room for one 800-token request: the next one demotes it to the host.
         "--max-total-tokens", "1100",
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
-        "--enable-cache-report", "--sleep-on-idle",
+        "--enable-cache-report", "--sleep-on-idle", "--enable-metrics",
         "--spec-krul", "--spec-krul-stats", _stats(model_path),
     ]  # fmt: skip
 
@@ -186,6 +186,10 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     assert 0.5 * share < after["recomputed_token_layers"] / (30 * host) < 1.5 * share, after
     assert after["refused_loads"] == 0
     assert again_ids == ids
+    # the same figures beside sglang's metrics
+    metrics = requests.get(f"{server.url}/metrics", timeout=60).text
+    assert 'sgl_spec:krul{figure="recomputed_restores"}' in metrics
+    assert 'sgl_spec:krul{figure="stored_bytes"}' in metrics
 
 
 def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_path,

@@ -17,7 +17,7 @@ RULES = ("dead_reasoning", "inactive_conversation", "lru")
 
 
 class CacheMetrics:
-    def __init__(self, interval: float = 5.0):
+    def __init__(self, interval: float = 5.0, krul: bool = False):
         from prometheus_client import Counter, Gauge
 
         self.interval = interval
@@ -45,6 +45,18 @@ class CacheMetrics:
             multiprocess_mode="mostrecent",
         )
 
+        self.krul = None
+        if krul:
+            self.krul = Gauge(
+                name="sgl_spec:krul",
+                documentation="Krul's host tier: compressed bytes and their full-size "
+                "equivalent (stored_bytes, full_bytes), the restore share recomputed, and "
+                "running totals of restores recomputed, their token-layers and seconds, "
+                "and loads refused for a failed checksum.",
+                labelnames=("figure",),
+                multiprocess_mode="mostrecent",
+            )
+
     def due(self, force: bool = False) -> bool:
         """Whether a refresh is due (and, if so, that one is happening now)."""
         now = time.monotonic()
@@ -66,3 +78,13 @@ class CacheMetrics:
             if delta > 0:
                 self.evicted_tokens.labels(rule=rule).inc(delta)
             self._freed_seen[rule] = n
+
+    KRUL_FIGURES = ("stored_bytes", "full_bytes", "recompute_share", "recomputed_restores",
+                    "recomputed_token_layers", "recompute_seconds", "refused_loads")
+
+    def update_krul(self, totals: dict) -> None:
+        """Krul's figures from ``Compressor.totals`` (``GET /sgl_spec/cache`` → krul)."""
+        if self.krul is None:
+            return
+        for figure in self.KRUL_FIGURES:
+            self.krul.labels(figure=figure).set(totals.get(figure, 0) or 0)

@@ -72,7 +72,8 @@ class SpecRadixCache(UnifiedRadixCache):
         if not _walkable(self.tree_core):
             alloc = params.token_to_kv_pool_allocator
             self._slots = SlotTokens(4 * (alloc.size if alloc is not None else 1 << 16))
-        self.spec_metrics = CacheMetrics() if params.enable_metrics else None
+        self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable) if params.enable_metrics
+                             else None)
 
     def insert(self, params):
         # On the compiled core's hot path: keep this to a reference append.
@@ -221,10 +222,17 @@ class TaggedRadixCache(SpecRadixCache):
         return evict_for_bytes(pool.available_size, lambda n: stock(n, component_type),
                                num_tokens)
 
+    def _update_metrics(self) -> None:
+        super()._update_metrics()
+        if self.krul is not None:
+            self.spec_metrics.update_krul(self.krul.totals())
+
     def summary(self) -> dict:
         out = super().summary()
         if self.krul is not None:
             out["krul"] = self.krul.totals()
+            if self.spec_metrics is not None:
+                self.spec_metrics.update_krul(out["krul"])
         return out
 
     def _dead(self) -> dict[int, int] | None:
