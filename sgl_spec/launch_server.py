@@ -170,6 +170,29 @@ def check_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
                          "--disable-radix-cache, or drop --spec-krul")
 
 
+def check_krul_profile(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
+    """ValueError where ``--spec-krul-profile`` was measured for a model with another
+    number of layers than the served one (read from its config.json, where local)."""
+    if not cfg.krul.profile_path:
+        return
+    import json
+
+    from sgl_spec.krul.restore_cost import read_profile
+
+    model = _value(argv, "--model-path", "--model") or ""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            layers = json.load(f)["num_hidden_layers"]
+    except (OSError, ValueError, KeyError):
+        return
+    measured = read_profile(cfg.krul.profile_path)["shape"].get("num_layers")
+    if measured != layers:
+        raise ValueError(f"--spec-krul-profile {cfg.krul.profile_path!r} was measured for a "
+                         f"model of {measured} layers; {model} has {layers}; valid: a "
+                         "profile from python -m sgl_spec.calibrate restore --model-path "
+                         f"{model}")
+
+
 def with_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
     """``cfg`` with Krul's statistics path filled in: the served model's, measured once
     (progress bar) into the cache dir."""
@@ -232,6 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         from sgl_spec.integration.cpu.threads import set_default_bind
 
         set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
+    try:
+        check_krul_profile(cfg, argv)
+    except ValueError as exc:
+        _spec_parser().error(str(exc))
     cfg = with_krul(with_head(cfg, argv), argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
     server.serve(argv, add_route=not cfg.disable)

@@ -230,6 +230,22 @@ def test_krul_restore_profile_is_checked_before_sglang_loads(tmp_path, capsys):
         KrulConfig(profile_path="x.json")
 
 
+def test_krul_restore_profile_must_match_the_served_model(tmp_path):
+    from sgl_spec.launch_server import check_krul_profile
+
+    prof = tmp_path / "restore.json"
+    prof.write_text('{"format": 1, "shape": {"num_layers": 24}, "recompute_s": 1, '
+                    '"tokens": 4096, "tiers": {"host": {"load_s": 1}}}')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"num_hidden_layers": 30}')
+    cfg, _ = split_argv(["--spec-krul", "--spec-krul-profile", str(prof)])
+    with pytest.raises(ValueError, match="measured for a model of 24 layers.*has 30"):
+        check_krul_profile(cfg, ["--model-path", str(model)])
+    (model / "config.json").write_text('{"num_hidden_layers": 24}')
+    check_krul_profile(cfg, ["--model-path", str(model)])
+
+
 def test_calibration_rows_and_statistics_file_round_trip(tmp_path):
     import torch
 

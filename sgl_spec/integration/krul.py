@@ -256,7 +256,12 @@ class Compressor:
                 # Every row weighs a full load: a chosen pair merges only where its KV
                 # are alike (--spec-krul-max-error), which is not known up front.
                 L = model_layers(pool.layer_num)
-                self._share = host_share(read_profile(self.cfg.profile_path), L)
+                try:
+                    self._share = host_share(read_profile(self.cfg.profile_path), L)
+                except (OSError, ValueError) as exc:  # the launcher checked it; moved since
+                    logger.error("sgl_spec krul: --spec-krul-profile %s: %s; restores load "
+                                 "every row", self.cfg.profile_path, exc)
+                    return self._share
                 logger.info("sgl_spec krul: restore profile %s: recompute share %.3f of "
                             "each demoted history", self.cfg.profile_path, self._share)
         return self._share
