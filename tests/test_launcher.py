@@ -220,9 +220,11 @@ def test_krul_restore_profile_is_checked_before_sglang_loads(tmp_path, capsys):
     from sgl_spec.config import KrulConfig
 
     bad = tmp_path / "restore.json"
-    for text, why in (("{", "not JSON"), ("{}", "not a restore profile"),
+    for text, why in (("{", "not JSON"), ("{}", "format None"), ("[1]", "not a restore"),
                       ('{"format": 1, "shape": {}, "recompute_s": 1, "tiers": {"file": {}}}',
-                       "valid: file")):
+                       "valid: file"),
+                      ('{"format": 1, "shape": {}, "recompute_s": 1, "tokens": 8, '
+                       '"tiers": {"host": {"load_s": 1}}}', "not a restore profile")):
         bad.write_text(text)
         with pytest.raises(SystemExit) as exc:
             split_argv(["--spec-krul", "--spec-krul-profile", str(bad)])

@@ -220,10 +220,12 @@ def read_profile(path: str) -> dict:
             prof = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path!r} is not JSON ({exc})") from None
-    if not isinstance(prof, dict) or "tiers" not in prof or "shape" not in prof:
+    try:
+        cost_of(prof, "host")
+        int(prof["tokens"]), int(prof["shape"]["num_layers"])
+    except (KeyError, TypeError, AttributeError):
         raise ValueError(f"{path!r} is not a restore profile (python -m sgl_spec.calibrate "
-                         "restore writes one)")
-    cost_of(prof, "host")
+                         "restore writes one)") from None
     return prof
 
 
