@@ -274,10 +274,9 @@ class Compressor:
         out = [0] * pool.layer_num
         if share <= 0:
             return out
-        root, start, p = self.cache.tree_core.root_node, 0, node.parent
-        while p is not None and p is not root:
-            start += len(p.key)
-            p = p.parent
+        from .krul_restore import path
+
+        start = sum(len(p.key) for p in path(node.parent, self.cache.tree_core.root_node))
         n = len(node.key)
         for layer, u in enumerate(pyramid(start + n, L, share)):
             out[layer] = min(max(u - start, 0), n)

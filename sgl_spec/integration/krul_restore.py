@@ -122,7 +122,8 @@ class RestorePlan(NamedTuple):
     lengths: tuple[int, ...]  # R per model layer: recompute [D, R_l)
 
 
-def _path(node, root) -> list:
+def path(node, root) -> list:
+    """The nodes from the root's child down to ``node``."""
     out = []
     while node is not None and node is not root:
         out.append(node)
@@ -134,7 +135,7 @@ def plan(node, root, arena, num_layers: int) -> RestorePlan | None:
     """What a load-back of ``node`` must recompute: the unstored rows of its host-only
     nodes (the arena's maps), as pyramid lengths; None when every row is stored."""
     pos, D, unstored = 0, None, [0] * num_layers
-    for nd in _path(node, root):
+    for nd in path(node, root):
         cd = nd.component_data[BASE_COMPONENT_TYPE]
         if cd.value is None and cd.host_value is not None:
             D = pos if D is None else D
@@ -157,7 +158,7 @@ class Recompute:
         self.seconds = 0.0
 
     def run(self, p: RestorePlan, root) -> None:
-        nodes = _path(p.node, root)
+        nodes = path(p.node, root)
         slots = torch.cat([nd.component_data[BASE_COMPONENT_TYPE].value for nd in nodes])
         D, R = p.device_prefix, p.lengths
         ids = []
