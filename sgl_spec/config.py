@@ -124,6 +124,13 @@ FLAGS: tuple[Flag, ...] = (
          "is under this are input-sensitive and never shared (Algorithm 1's threshold)."),
     Flag("--spec-krul-ratio", "krul", "ratio", "fraction",
          "Krul: share of the layers to pair up (r_l; the paper's 0.5)."),
+    Flag("--spec-krul-strategy", "krul", "strategy", "choice",
+         "Krul: where a conversation's layer pairs come from. 'conversation': Algorithm 1 "
+         "on its own attention, which the attention path samples as it serves the "
+         "conversation (a few prefill rows per extend, every 16th decode step); "
+         "'model': the model's statistics (--spec-krul-stats), one strategy for all "
+         "(the paper's Krul (Fix)), also the fallback for a conversation not yet observed.",
+         ("conversation", "model")),
     Flag("--spec-krul-retain", "krul", "retain", "fraction",
          "Krul: share of a pair's tokens kept unmerged, those whose K or V directions "
          "differ most between the two layers."),
@@ -276,12 +283,14 @@ class KrulConfig:
     retain: float = 0.05
     max_error: float = 0.2
     codec: str = "k8v4"
+    strategy: str = "conversation"
     stats_path: str = ""
     profile_path: str = ""
 
     def __post_init__(self):
         _check("krul", self)
-        for flag, value in (("stats", self.stats_path), ("profile", self.profile_path)):
+        for flag, value in (("stats", self.stats_path), ("profile", self.profile_path),
+                            ("strategy", self.strategy != "conversation")):
             if value and not self.enable:
                 raise ValueError(f"--spec-krul-{flag} is read only with --spec-krul; valid: "
                                  "drop it, or add --spec-krul")

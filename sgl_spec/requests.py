@@ -13,6 +13,10 @@ different sglang factories, so they meet here:
   request (the next turn, the next chunk) matches or continues that path, the cache
   ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
 
+* Krul's per-conversation statistics: the attention path's estimator registers itself
+  (``observer``, an ``sgl_spec.attention.observe.KrulObserver``); the cache seeds it with
+  the sums on a matched path and keeps its accumulator on the checkpoint's node;
+
 * live counts: every per-request structure of the process registers a counter
   (``add_live_source``); ``live()`` reads them all, for ``GET /sgl_spec/cache`` and the
   ``sgl_spec:live_request_states`` gauge, so that a test or the soak harness can check
@@ -52,6 +56,7 @@ class RequestHub:
         self._seeds: OrderedDict[str, tuple[Lines, int]] = OrderedDict()  # (lines, set in pass)
         self._pass = 0
         self._live: dict[str, Callable[[], int]] = {}
+        self.observer = None  # Krul's estimator, where the attention path runs one
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:

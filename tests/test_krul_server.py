@@ -118,7 +118,7 @@ def _krul(url: str) -> dict:
     out = resp.json()
     branches = [(b["krul_stored_bytes"], b["krul_full_bytes"]) for b in out["branches"]
                 if "krul_full_bytes" in b]
-    return {**out["krul"], "branches": branches}
+    return {**out["krul"], "branches": branches, "live": out["live_requests"]}
 
 
 def _demote_and_restore(server, model_path):
@@ -167,6 +167,12 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     assert bad_ids == ids                             # recomputed, not loaded
     assert totals["nodes"] >= 1 and totals["tokens"] >= PROMPT_TOKENS - 32   # less the shared head
     assert totals["pairs_skipped"] >= totals["nodes"]
+    # Krul's estimator observed the conversations as they were served: their nodes use
+    # their own layer pairs (Algorithm 1 on their attention), and nothing per request
+    # is left once they finished
+    assert totals["conversation_strategy_nodes"] >= 1 and totals["model_strategy_nodes"] == 0
+    assert totals["observed_prefill_rows"] >= 2 * 8 * 9, totals
+    assert after["live"].get("krul_stats") == 0, after["live"]
     # ~39% of the token-layers unstored (the profile's share), the rest in k8v4
     share = totals["recompute_share"]
     assert 0.3 < share < 0.5, totals
@@ -201,6 +207,7 @@ def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_pat
     ids, again_ids, meta, totals, after = _demote_and_restore(server, model_path)
     # 8 merged pairs of 30 layers, int8 rows and bf16 magnitudes: ~0.39x of a full copy.
     assert totals["nodes"] >= 1 and totals["pairs_skipped"] == 0
+    assert totals["conversation_strategy_nodes"] >= 1   # their own pairs
     ratio = totals["stored_bytes"] / totals["full_bytes"]
     assert 0.3 < ratio < 0.45, totals
     assert after["refused_loads"] >= 1

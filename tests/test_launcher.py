@@ -203,6 +203,14 @@ def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
         KrulConfig(enable=True, codec="fp4")
     with pytest.raises(ValueError, match="read only with --spec-krul"):
         KrulConfig(stats_path="x.json")
+    assert cfg.krul.strategy == "conversation"          # Algorithm 1 on its own attention
+    cfg_m, _ = split_argv(["--spec-krul", "--spec-krul-strategy", "model"])
+    assert cfg_m.krul.strategy == "model"
+    with pytest.raises(ValueError, match="--spec-krul-strategy 'layer' is invalid; valid "
+                                         "values: conversation, model"):
+        KrulConfig(enable=True, strategy="layer")
+    with pytest.raises(ValueError, match="--spec-krul-strategy is read only with --spec-krul"):
+        KrulConfig(strategy="model")
     with pytest.raises(ValueError, match="drop --spec-disable"):
         SpecConfig(disable=True, krul=KrulConfig(enable=True))
 

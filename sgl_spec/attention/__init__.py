@@ -56,9 +56,18 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
     prefill = None
     if cfg.prefill.mode != "exact":
         prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)
-    logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s", cfg.decode.mode,
-                cfg.decode, cfg.prefill.mode, shape)
-    return AttentionCore(decoder, prefill, head if cfg.decode.retrieval_head else None)
+    observer = None
+    if cfg.krul.enable and cfg.krul.strategy == "conversation":
+        from .observe import KrulObserver
+
+        observer = HUB.observer = KrulObserver(shape.num_layers, device=device)
+        HUB.add_release_listener(observer.release)
+        HUB.add_live_source("krul_stats", lambda: observer.live_states)
+    logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s", cfg.decode.mode,
+                cfg.decode, cfg.prefill.mode, shape,
+                ", Krul's estimator observes each conversation" if observer else "")
+    return AttentionCore(decoder, prefill, head if cfg.decode.retrieval_head else None,
+                         observer)
 
 
 def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,

@@ -7,8 +7,9 @@ share: the decode subsets and policy row groups (``decode.Decoder``), the extend
 spans, LoopServe's sparse extends with their seeds (``prefill.SparsePrefill``) and the
 prompts a policy scores (SnapKV). A retrieval head (SpeContext) is told every pass's
 token layout before the layers (``begin_pass``: the model's layer hooks then feed it)
-and selects for the decoder's plan. Round selections and tiered KV plug in here as
-further parts of the plan.
+and selects for the decoder's plan. Krul's estimator (``observe.KrulObserver``) plans
+which query rows a pass observes and folds their attention into the conversation's
+statistics after each layer. Round selections plug in here as a further part.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from .batch import BatchView
 from .decode import DecodePlan, Decoder, ScoreRow
 from .extend import Span, exact_extend, spans
+from .observe import KrulObserver, ObservePlan
 from .prefill import SparsePrefill, Turn
 
 
@@ -32,28 +34,32 @@ class ExtendPlan(NamedTuple):
 class AttentionPlan(NamedTuple):
     decode: DecodePlan | None = None
     extend: ExtendPlan | None = None
+    observe: ObservePlan | None = None  # Krul's estimator: the rows this pass observes
 
 
 class AttentionCore:
     """Not thread-safe: the scheduler thread that runs the forward pass owns it."""
 
-    def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None, head=None):
+    def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None, head=None,
+                 observer: KrulObserver | None = None):
         self.decoder = decoder
         self.prefill = prefill
         self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
+        self.observer = observer
 
     def plan(self, batch: BatchView) -> AttentionPlan:
         if self.prefill is not None:
             self.prefill.hub.tick()  # unread seeds expire (requests aborted in the queue)
         if self.head is not None:
             self.head.begin_pass(batch)
+        observe = self.observer.plan(batch) if self.observer is not None else None
         if batch.mode == "decode":
-            return AttentionPlan(decode=self.decoder.plan(batch))
+            return AttentionPlan(decode=self.decoder.plan(batch), observe=observe)
         if batch.mode != "extend":
             return AttentionPlan()
         turns = self.prefill.plan(batch) if self.prefill is not None else {}
         scored = {r.index: r for r in self.decoder.plan_extend(batch)}
-        return AttentionPlan(extend=ExtendPlan(spans(batch), turns, scored))
+        return AttentionPlan(extend=ExtendPlan(spans(batch), turns, scored), observe=observe)
 
     def run(
         self,
@@ -67,7 +73,10 @@ class AttentionCore:
     ) -> torch.Tensor:
         """One layer of the pass the plan was made for (decode or extend)."""
         if plan.decode is not None:
-            return self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
+            out = self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
+            if plan.observe is not None:
+                self.observer.run(plan.observe, layer, q, k_buf, scale)
+            return out
         ext = plan.extend
         for i, sp in enumerate(ext.spans):
             k, v = k_buf.index_select(0, sp.slots), v_buf.index_select(0, sp.slots)
@@ -82,4 +91,7 @@ class AttentionCore:
             r = ext.scored.get(i)
             if r is not None:  # the prompt a policy scores (SnapKV): the keys just gathered
                 self.decoder.policy.prefill_layer(r.rid, layer, q[r.q_start : r.q_end], k)
+        if plan.observe is not None:
+            self.observer.run(plan.observe, layer, q, k_buf, scale,
+                              lambda i: k_buf.index_select(0, ext.spans[i].slots))
         return out

@@ -18,9 +18,11 @@ sink + its B selected positions + the recent window. Methods, at each budget B:
 * ``oracle shared``: the top-B of the layer-averaged true attention (the best any one
   set for all layers can do); ``oracle per layer``: each layer's own top-B.
 
-Steps before 16 are left out for every method (LoopServe is dense there). Writes
-``results.json``, ``results.md`` (mean and worst layer per method and budget, and
-per layer at each budget) and ``head_fidelity.png``.
+Steps before 16 are reported apart (``EARLY_METHODS``, the "answer start" table):
+LoopServe decodes densely there, while SpeContext's head selects from the first step,
+and a short answer (a planted fact's value) is decided in those steps. Writes
+``results.json``, ``results.md`` (mean and worst layer per method and budget, at the
+answer's start and from step 16, and per layer at each budget) and ``head_fidelity.png``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sgl_spec.bench import cli, plots
 logger = logging.getLogger(__name__)
 
 METHODS = ("specontext", "loopserve", "oracle shared", "oracle per layer")
+EARLY_METHODS = ("specontext", "oracle shared", "oracle per layer")  # steps < FIRST_STEP
 PNG = "head_fidelity.png"
 FIRST_STEP = 16  # LoopServe's first selection; earlier steps are not compared
 ND = 16
@@ -80,7 +83,7 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
     gen = model.generate(x, max_new_tokens=n_answer, min_new_tokens=n_answer, do_sample=False)
     full = gen[0]
     p0 = len(ids)
-    steps = torch.arange(p0 + FIRST_STEP, full.shape[0])
+    steps = torch.arange(p0, full.shape[0])
     rec.start(torch.arange(p0, full.shape[0]), per_layer=True)
     out = model(input_ids=full[None], output_hidden_states=True, use_cache=False)
     att = torch.stack(rec.per_layer)  # [L, Hkv, A, T] every answer step
@@ -90,6 +93,7 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
     T = full.shape[0]
     cols = torch.arange(T)
     cov = {str(b): {m: [] for m in METHODS} for b in budgets}
+    early = {str(b): {m: [] for m in EARLY_METHODS} for b in budgets}
     for t in steps.tolist():
         a = t - p0  # answer step
         p = att[:, :, a]  # [L, Hkv, T]
@@ -98,6 +102,13 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
         q = head.queries(full[t : t + 1], torch.tensor([t]), qh_prev[t : t + 1], embed)
         s = head.scores(q, keys[None, :t], torch.tensor([t]))[0]  # [Hkv, t]
         s = torch.cat([s, s.new_zeros(s.shape[0], T - t)], -1)
+        if a < FIRST_STEP:  # the answer's start: LoopServe is dense here
+            for b in budgets:
+                e = early[str(b)]
+                e["specontext"].append(_cover(p, _topk_mask(s, b, cand)[None] | fixed))
+                e["oracle shared"].append(_cover(p, _topk_mask(p.mean(0), b, cand)[None] | fixed))
+                e["oracle per layer"].append(_cover(p, _topk_mask(p, b, cand) | fixed))
+            continue
         s0 = FIRST_STEP + ((a - FIRST_STEP) // ND) * ND  # the LoopServe selection in force
         t0 = p0 + s0
         obs = att[:, :, s0 - ND + 1 : s0 + 1].sum(2)  # [L, Hkv, T] its last n_d queries
@@ -109,15 +120,18 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
             c["oracle shared"].append(_cover(p, _topk_mask(p.mean(0), b, cand)[None] | fixed))
             c["oracle per layer"].append(_cover(p, _topk_mask(p, b, cand) | fixed))
             c["loopserve"].append(_cover(p, _topk_mask(obs, b, lcand) | lfixed))
-    return {b: {m: torch.stack(v).mean(dim=(0, 2)).tolist() for m, v in by.items()}
-            for b, by in cov.items()}
+    out = {b: {m: torch.stack(v).mean(dim=(0, 2)).tolist() for m, v in by.items()}
+           for b, by in cov.items()}
+    out["early"] = {b: {m: torch.stack(v).mean(dim=(0, 2)).tolist() for m, v in by.items()}
+                    for b, by in early.items()}
+    return out
 
 
-def summarise(per_prompt: list[dict], budgets) -> dict:
+def summarise(per_prompt: list[dict], budgets, methods=METHODS) -> dict:
     out = {}
     for b in budgets:
         out[str(b)] = {}
-        for m in METHODS:
+        for m in methods:
             layers = torch.tensor([r[str(b)][m] for r in per_prompt]).mean(0).tolist()
             out[str(b)][m] = {"per_layer": layers, "mean": statistics.fmean(layers),
                               "min": min(layers), "worst_layer": layers.index(min(layers))}
@@ -128,15 +142,24 @@ def markdown(res: dict) -> str:
     s, meta = res["summary"], res["setup"]
     lines = [f"# Retrieval head fidelity ({meta['prompts']} prompts of "
              f"{meta['prompt_tokens_min']}-{meta['prompt_tokens_max']} tokens, "
-             f"{meta['answer_tokens']} answer tokens; steps >= {FIRST_STEP})", "",
+             f"{meta['answer_tokens']} answer tokens)", "",
              "Share of the target's attention (per layer and KV head, group averaged) "
              "on the attended positions: sink + B selected + recent window. Mean over "
-             "layers (worst layer).", "",
+             "layers (worst layer).", "", f"## From step {FIRST_STEP} on", "",
              "| B | " + " | ".join(METHODS) + " |", "|---" * (len(METHODS) + 1) + "|"]
     for b, by in s.items():
         lines.append(f"| {b} | " + " | ".join(
             f"{by[m]['mean']:.3f} ({by[m]['min']:.3f}, L{by[m]['worst_layer']})"
             for m in METHODS) + " |")
+    e = res.get("summary_early")
+    if e:
+        lines += ["", f"## The answer's start (steps 0-{FIRST_STEP - 1}; LoopServe is dense there)",
+                  "", "| B | " + " | ".join(EARLY_METHODS) + " |",
+                  "|---" * (len(EARLY_METHODS) + 1) + "|"]
+        for b, by in e.items():
+            lines.append(f"| {b} | " + " | ".join(
+                f"{by[m]['mean']:.3f} ({by[m]['min']:.3f}, L{by[m]['worst_layer']})"
+                for m in EARLY_METHODS) + " |")
     for b, by in s.items():
         lines += ["", f"## B = {b}, per layer", "", "| layer | " + " | ".join(METHODS) + " |",
                   "|---" * (len(METHODS) + 1) + "|"]
@@ -203,11 +226,14 @@ def main(argv: list[str] | None = None) -> int:
            "setup": {"draft_path": draft, "prompts": len(ids), "prompt_tokens_min": min(lens),
                      "prompt_tokens_max": max(lens), "answer_tokens": args.answer_tokens,
                      "budgets": args.budgets, "sink": args.sink, "window": args.window},
-           "summary": summarise(per_prompt, args.budgets), "per_prompt": per_prompt}
+           "summary": summarise(per_prompt, args.budgets),
+           "summary_early": summarise([r["early"] for r in per_prompt], args.budgets,
+                                      EARLY_METHODS),
+           "per_prompt": per_prompt}
     text = markdown(res)
     cli.write_results(args.out, res, text)
     plot(res, os.path.join(args.out, PNG))
-    print(text.split("\n## ")[0])
+    print(text.split("\n## B = ")[0])
     return 0
 
 

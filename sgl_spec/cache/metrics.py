@@ -52,7 +52,9 @@ class CacheMetrics:
                 documentation="Krul's host tier: compressed bytes and their full-size "
                 "equivalent (stored_bytes, full_bytes), the restore share recomputed, and "
                 "running totals of restores recomputed, their token-layers and seconds, "
-                "and loads refused for a failed checksum.",
+                "and loads refused for a failed checksum; compressed nodes by whose layer "
+                "pairs they use (the conversation's or the model's), and the estimator's "
+                "observed rows and seconds (in the forward pass, on its worker).",
                 labelnames=("figure",),
                 multiprocess_mode="mostrecent",
             )
@@ -80,7 +82,10 @@ class CacheMetrics:
             self._freed_seen[rule] = n
 
     KRUL_FIGURES = ("stored_bytes", "full_bytes", "recompute_share", "recomputed_restores",
-                    "recomputed_token_layers", "recompute_seconds", "refused_loads")
+                    "recomputed_token_layers", "recompute_seconds", "refused_loads",
+                    "conversation_strategy_nodes", "model_strategy_nodes",
+                    "observed_prefill_rows", "observed_decode_rows",
+                    "observe_inline_seconds", "observe_worker_seconds")
 
     def update_krul(self, totals: dict) -> None:
         """Krul's figures from ``Compressor.totals`` (``GET /sgl_spec/cache`` → krul)."""

@@ -16,9 +16,12 @@ the host tier's copies.
 
 With a restore profile (``--spec-krul-profile``) whose host tier chooses a share > 0,
 a compressed node also leaves its part of the restore pyramid unstored, and a load-back
-recomputes it (``krul_restore``); without one every stored row is loaded. The strategy
-is the model's ("Krul (Fix)", ``sgl_spec.krul.calibrate``) until the per-conversation
-estimator lands. An L3 storage backend on sglang's generic page path (``file``) stores
+recomputes it (``krul_restore``); without one every stored row is loaded. A node's
+layer pairs come from the attention statistics of the conversations through it
+(``conversation_stats``: the ``krul_stats`` payloads the attention path's estimator,
+``sgl_spec.attention.observe``, leaves at checkpoints), or, where none was observed
+(or with ``--spec-krul-strategy model``), from the model's ("Krul (Fix)",
+``sgl_spec.krul.calibrate``). An L3 storage backend on sglang's generic page path (``file``) stores
 the compressed rows as they are (``Arena.export``, with a checksum per page and a mask
 of the unstored rows); zero-copy backends are refused.
 """
@@ -181,6 +184,7 @@ class KrulMeta:
     checksum: int
     merged: int      # (token, pair)s sharing a direction
     retained: int    # (token, pair)s kept unmerged
+    strategy: str = "model"  # whose layer pairs: "conversation" (its own attention) or "model"
 
 
 def model_layers(pool_layers: int) -> int:
@@ -202,6 +206,51 @@ def strategy_for(cfg: KrulConfig, num_model_layers: int, pool_layers: int) -> St
                          f"layers, the model has {num_model_layers}")
     s = select_pairs(sim.ir_share(), sim.distances(), gamma=cfg.gamma, ratio=cfg.ratio)
     return Strategy(pool_layers, s.pairs, s.input_sensitive)
+
+
+MIN_OBSERVED = 1  # (row, head)s per layer before a conversation's own pairs are used
+STATS_WALK = 256  # nodes of a subtree read for its conversations' statistics, at most
+
+
+def conversation_stats(node):
+    """The attention statistics (``krul_stats`` payloads) of the conversations through
+    ``node``: the deepest payload on each branch below it (a payload holds its
+    conversation's sums so far, earlier turns included), summed over branches; if none is
+    below (within ``STATS_WALK`` nodes), the deepest above. None if there is none."""
+    from sgl_spec.krul.similarity import Similarity
+
+    from .radix import KRUL_STATS
+
+    def stats(n):
+        return ((getattr(n, "spec", None) and n.spec.payloads) or {}).get(KRUL_STATS)
+
+    found, budget = [], [STATS_WALK]
+
+    def below(n) -> bool:  # whether n's subtree holds a payload; collects the deepest
+        budget[0] -= 1
+        deeper = False
+        for c in list(n.children.values()):
+            if budget[0] <= 0:
+                break
+            deeper = below(c) or deeper
+        hit = stats(n)
+        if hit is not None and not deeper:
+            found.append(hit[1])
+        return deeper or hit is not None
+
+    below(node)
+    n = node.parent
+    while not found and n is not None:
+        hit = stats(n)
+        if hit is not None:
+            found.append(hit[1])
+        n = n.parent
+    if not found:
+        return None
+    total = Similarity(found[0].num_layers)
+    for sim in found:
+        total.merge(sim.copy())
+    return total
 
 
 class Compressor:
@@ -228,13 +277,30 @@ class Compressor:
         pool = anchor.host_pool if anchor is not None else pool
         return pool if isinstance(pool, KrulHostPool) else None
 
-    def strategy(self, pool: KrulHostPool) -> Strategy:
+    def model_strategy(self, pool: KrulHostPool) -> Strategy:
         if self._strategy is None:
             self._strategy = strategy_for(self.cfg, model_layers(pool.layer_num),
                                           pool.layer_num)
-            logger.info("sgl_spec krul: pairs %s (input-sensitive layers %s)",
+            logger.info("sgl_spec krul: the model's pairs %s (input-sensitive layers %s)",
                         self._strategy.pairs, self._strategy.input_sensitive)
         return self._strategy
+
+    def strategy(self, pool: KrulHostPool, node) -> tuple[Strategy, str]:
+        """``node``'s pairs and whose they are: Algorithm 1 on the attention statistics of
+        the conversations through it (``--spec-krul-strategy conversation``), else, or
+        before any was observed, the model's."""
+        sim = conversation_stats(node) if self.cfg.strategy == "conversation" else None
+        if sim is None or sim.observed() < MIN_OBSERVED:
+            return self.model_strategy(pool), "model"
+        from sgl_spec.krul.select import select_pairs
+
+        L = model_layers(pool.layer_num)
+        if sim.num_layers != L:
+            raise ValueError(f"a conversation's statistics cover {sim.num_layers} layers, "
+                             f"the model has {L}")
+        s = select_pairs(sim.ir_share(), sim.distances(), gamma=self.cfg.gamma,
+                         ratio=self.cfg.ratio)
+        return Strategy(pool.layer_num, s.pairs, s.input_sensitive), "conversation"
 
     def share(self, pool: KrulHostPool) -> float:
         """The recompute share of a restore: the restore profile's host tier (0 without
@@ -290,9 +356,10 @@ class Compressor:
         host = node.component_data[BASE_COMPONENT_TYPE].host_value
         if pool is None or host is None or KRUL in (node.spec.payloads or {}):
             return
-        c = pool.compress(host, self.strategy(pool), self.unstored(pool, node), self.params)
+        strategy, whose = self.strategy(pool, node)
+        c = pool.compress(host, strategy, self.unstored(pool, node), self.params)
         self.pairs_skipped += c.pairs_skipped
-        self._record(node, pool, c.tokens_merged, c.tokens_retained)
+        self._record(node, pool, c.tokens_merged, c.tokens_retained, whose)
         if self.corrupt:  # test-only fault injection (SGLSPEC_KRUL_CORRUPT nodes)
             self.corrupt -= 1
             with pool.lock:
@@ -300,12 +367,13 @@ class Compressor:
                 row = int(m[m >= 0][0]) if bool((m >= 0).any()) else int(-2 - m[m <= -2][0])
                 pool.arena.k[row].view(torch.uint8).view(-1)[0] ^= 1
 
-    def _record(self, node, pool: KrulHostPool, merged: int, retained: int) -> None:
+    def _record(self, node, pool: KrulHostPool, merged: int, retained: int,
+                whose: str) -> None:
         host = node.component_data[BASE_COMPONENT_TYPE].host_value
         with pool.lock:
             meta = KrulMeta(len(host), pool.arena.stored_bytes(host),
                             pool.arena.full_bytes(len(host)), pool.arena.checksum(host),
-                            merged, retained)
+                            merged, retained, whose)
         node.spec.payloads = {**(node.spec.payloads or {}), KRUL: (len(node.key), meta)}
 
     def on_split(self, upper, lower, meta: KrulMeta) -> None:
@@ -319,7 +387,7 @@ class Compressor:
                            meta)
         for part in (upper, lower):
             if ok:
-                self._record(part, pool, 0, 0)
+                self._record(part, pool, 0, 0, meta.strategy)
             else:
                 bad = KrulMeta(len(part.key), 0, 0, -1, 0, 0)
                 part.spec.payloads = {**(part.spec.payloads or {}), KRUL: (len(part.key), bad)}
@@ -380,7 +448,8 @@ class Compressor:
     def totals(self) -> dict:
         """Compressed nodes in the tree and their bytes (for ``GET /sgl_spec/cache``)."""
         out = {"nodes": 0, "tokens": 0, "stored_bytes": 0, "full_bytes": 0,
-               "refused_loads": self.refused_loads, "pairs_skipped": self.pairs_skipped}
+               "refused_loads": self.refused_loads, "pairs_skipped": self.pairs_skipped,
+               "conversation_strategy_nodes": 0, "model_strategy_nodes": 0}
         core = self.cache.tree_core
         stack = [core.root_node]
         while stack:
@@ -393,6 +462,11 @@ class Compressor:
                 out["tokens"] += meta.tokens
                 out["stored_bytes"] += meta.stored_bytes
                 out["full_bytes"] += meta.full_bytes
+                out[f"{meta.strategy}_strategy_nodes"] += 1
+        from sgl_spec.requests import HUB
+
+        if HUB.observer is not None:
+            out.update(HUB.observer.totals())
         pool = self.pool()
         if pool is not None:
             out["host_available_tokens"] = pool.available_size()

@@ -12,7 +12,9 @@ Subclasses of sglang's UnifiedRadixCache, built through sglang's own
   (``tree_core``), whose nodes carry turn tags and payloads (Krul's compressed-node
   records: ``krul``). LoopServe's lines kept per turn are a payload of the
   node where the turn's extend ends; matches and checkpoints hand the deepest ones on a
-  request's path to the attention path as seeds (``sgl_spec.requests.HUB``).
+  request's path to the attention path as seeds (``sgl_spec.requests.HUB``). Krul's
+  estimator works the same way: a checkpoint keeps the request's attention statistics on
+  its last node (``krul_stats``), a match seeds the next turn with the deepest ones.
 
 Both tell ``HUB`` when the scheduler releases a request (finished, aborted,
 retracted), so per-request state kept outside the tree is freed.
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 TREE_CORE = "sgl_spec"
 BACKEND_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # sglang's choice of tree core
 LINES = "lines"  # the payload name of LoopServe's kept lines
+KRUL_STATS = "krul_stats"  # Krul: a conversation's attention statistics (Similarity)
 
 
 def _tree_core_factory(params, components):
@@ -158,39 +161,42 @@ class TaggedRadixCache(SpecRadixCache):
             self.krul = self.tree_core.krul = Compressor(self, cfg.krul)
             self.tree_core.whole_node_payloads[KRUL] = self.krul.on_split
 
-    def insert(self, params):
-        result = UnifiedRadixCache.insert(self, params)
-        if self.disable or params.key is None or not len(params.key):
-            return result
-        core = self.tree_core
-        node = core._node_arena.get(result.last_device_node)
-        if node is not None:
-            core.harden_below(node)  # stock splits where an insert ends
-        if self.turn_format is not None and not core.precuts:
-            self._apply_cache_actions(core.cut_path(params.key.page_aligned(core.page_size)))
-        if self.spec_metrics is not None and self.spec_metrics.due():
-            self._update_metrics()
-        return result
-
     def match_prefix(self, params):
         result = super().match_prefix(params)
         if self.keep_lines and params.req is not None:
             hit = self.tree_core.deepest(result.last_device_node, LINES)
             HUB.set_seeds(params.req.rid, None if hit is None else Lines(*hit))
+        obs = HUB.observer
+        if self.krul is not None and obs is not None and params.req is not None:
+            # Krul's estimator carries on the conversation's sums (its earlier turns').
+            node = getattr(result, "best_match_node", None) or result.last_device_node
+            hit = self.tree_core.deepest(node, KRUL_STATS)
+            obs.seed(params.req.rid, None if hit is None else hit[1])
         return result
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         super().checkpoint(req, up_to=up_to, **kwargs)
+        obs = HUB.observer
+        sim = obs.stats(req.rid) if self.krul is not None and obs is not None else None
+        if sim is not None:
+            # The conversation's statistics so far (the accumulator itself: folds still
+            # queued land in it) on the node of its last token; Krul reads them there.
+            end = up_to - up_to % self.tree_core.page_size
+            if end:
+                self.tree_core.attach(self._key(req, end), end, KRUL_STATS, sim)
         if not self.keep_lines:
             return
         lines = HUB.take_lines(req.rid, up_to)
         if lines is not None:
-            from sglang.srt.mem_cache.radix_cache import RadixKey
-
-            key = RadixKey(req.full_untruncated_fill_ids[: lines.end], req.extra_key,
-                           cache_salt=req.cache_salt)
-            if self.tree_core.attach(key, lines.end, LINES, lines.layers):
+            if self.tree_core.attach(self._key(req, lines.end), lines.end, LINES, lines.layers):
                 HUB.set_seeds(req.rid, lines)  # the next chunk of this request continues it
+
+    @staticmethod
+    def _key(req, end: int):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key,
+                        cache_salt=req.cache_salt)
 
     def load_back(self, node_id, mem_quota=None, req=None) -> bool:
         # Krul: a compressed node that fails its checksum is never loaded (recomputed).

@@ -1,0 +1,207 @@
+"""Krul's estimator in the attention path (sgl_spec.attention.observe): the rows it
+observes, folded on its worker or in line, equal the statistics of the same rows
+computed from scratch; its per-request state is seeded, shared and freed; the tree
+walk that gives a node its conversations' statistics."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_spec.attention.batch import BatchView
+from sgl_spec.attention.observe import KrulObserver, ObserveConfig, prefill_positions
+from sgl_spec.krul.similarity import (Similarity, attention_rows, attention_rows_ref,
+                                      ir_mass, reference_distances)
+
+L, HQ, HKV, D = 4, 6, 2, 16
+
+
+def test_grouped_rows_equal_the_repeated_reference():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, HQ, D, generator=g).bfloat16()
+    k = torch.randn(50, HKV, D, generator=g).bfloat16()
+    pos = torch.tensor([4, 30, 49])
+    torch.testing.assert_close(attention_rows(q, k, pos, 0.3),
+                               attention_rows_ref(q, k, pos, 0.3), rtol=1e-5, atol=1e-6)
+    assert float(attention_rows(q, k, pos)[0, :, 5:].abs().sum()) == 0.0   # causal
+
+
+def test_prefill_positions_are_the_last_half_and_a_seeded_draw():
+    pos = prefill_positions("r1", 100, 40, 8)
+    assert pos == sorted(set(pos)) and len(pos) == 8
+    assert pos[-4:] == [136, 137, 138, 139] and all(100 <= p < 140 for p in pos)
+    assert pos == prefill_positions("r1", 100, 40, 8)
+    assert prefill_positions("r1", 0, 3, 8) == [0, 1, 2]         # fewer tokens than rows
+    assert prefill_positions("r1", 7, 1, 8) == [7]
+
+
+class Pool:
+    """Four layers of a KV pool, with two requests' rows in req_to_token."""
+
+    def __init__(self, n_slots=200, seed=1):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(L, n_slots, HKV, D, generator=g)
+        perm = torch.randperm(n_slots, generator=g)
+        self.req_to_token = torch.stack([perm[:100], perm[100:]]).int()
+
+
+def passes(pool, g):
+    """An extend of two requests (one over a 20-token prefix), then decode steps."""
+    def dev(seq):
+        return dict(seq_lens=seq, pool_rows=(0, 1), req_to_token=pool.req_to_token,
+                    rows=torch.tensor([0, 1]), seq_lens_t=torch.tensor(seq))
+
+    out = [BatchView("extend", rids=("a", "b"), extend_lens=(30, 25), **dev((30, 45)))]
+    for n in (47, 48, 63, 64):
+        out.append(BatchView("decode", rids=("a", "b"), **dev((n - 15, n))))
+    return [(b, torch.randn(sum(b.extend_lens) if b.mode == "extend" else b.size, HQ, D,
+                            generator=g)) for b in out]
+
+
+def play(obs: KrulObserver, pool: Pool, seed=2):
+    """Runs the passes through ``obs``; returns, per rid, the rows it should have seen."""
+    g = torch.Generator().manual_seed(seed)
+    expect = {"a": [[] for _ in range(L)], "b": [[] for _ in range(L)]}
+    for batch, q in passes(pool, g):
+        plan = obs.plan(batch)
+        if plan is None:
+            continue
+        for layer in range(L):
+            def keys(i, layer=layer, batch=batch):
+                return pool.k[layer].index_select(0, batch.req_to_token[i, :batch.seq_lens[i]].long())
+            obs.run(plan, layer, q, pool.k[layer], 0.25, keys)
+            for ob in plan.items:
+                k = keys(ob.index)
+                rows = attention_rows_ref(q[ob.q_idx], k, ob.q_pos, 0.25)
+                expect[ob.rid][layer].append((rows, ob.q_pos))
+    if obs.folder is not None:
+        obs.folder.drain()
+    return expect
+
+
+def reference(rows_per_layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """cdist of the layers' concatenated rows and the mean I-R mass."""
+    maps = [torch.cat([r.reshape(-1) for r, _ in layer]) for layer in rows_per_layer]
+    count = sum(r.shape[0] * r.shape[1] for r, _ in rows_per_layer[0])
+    flat = torch.stack(maps).double()
+    dist = torch.cdist(flat, flat) / count ** 0.5
+    ir = torch.stack([sum(ir_mass(r, p).double().sum() for r, p in layer) / count
+                      for layer in rows_per_layer])
+    return dist, ir
+
+
+@pytest.mark.parametrize("cfg", [ObserveConfig(prefill_rows=4, decode_every=16, worker=True),
+                                 ObserveConfig(prefill_rows=4, decode_every=16, worker=False),
+                                 ObserveConfig(prefill_rows=4, decode_every=16, worker=True,
+                                               max_queued_bytes=0)],
+                         ids=["worker", "inline", "over-the-bound"])
+def test_observed_statistics_equal_the_rows_computed_from_scratch(cfg):
+    pool = Pool()
+    obs = KrulObserver(L, cfg)
+    expect = play(obs, pool)
+    for rid in ("a", "b"):
+        sim = obs.stats(rid)
+        dist, ir = reference(expect[rid])
+        # the Gram is folded in float32 (a row has m x Hq x n values)
+        torch.testing.assert_close(sim.distances(), dist, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(sim.ir_share(), ir, rtol=1e-5, atol=1e-7)
+    # each: an extend (4 rows) and the decode steps at lengths 32, 48 (a) and 48, 64 (b)
+    assert obs.stats("a").observed() == obs.stats("b").observed() == (4 + 2) * HQ
+    assert obs.rows == {"prefill": 8 * HQ, "decode": 4 * HQ}
+
+
+def test_state_is_seeded_shared_and_freed():
+    pool = Pool()
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16, worker=False))
+    earlier = Similarity(L)
+    earlier.gram += 1.0
+    earlier.rows += 7
+    obs.seed("a", earlier)                   # the conversation's earlier turns
+    assert obs.live_states == 1
+    play(obs, pool)
+    a = obs.stats("a")
+    assert a is obs.stats("a")               # shared, not a copy (the tree's payload)
+    assert float(a.rows[0]) == 7 + 6 * HQ and float(earlier.rows[0]) == 7   # seed copied
+    obs.seed("a", earlier)                   # a match of a request already observed
+    assert obs.stats("a") is a
+    obs.release("a")
+    obs.release("b")
+    obs.seed("c", earlier)
+    obs.release("c")                         # matched, then aborted
+    assert obs.live_states == 0 and obs.stats("a") is None
+    assert float(a.rows[0]) == 7 + 6 * HQ    # the payload keeps its sums
+
+
+def test_the_same_rows_with_the_core_in_the_middle():
+    """AttentionCore.plan/run hand the observer every layer of an exact pass."""
+    from sgl_spec.attention.core import AttentionCore
+    from sgl_spec.attention.decode import Decoder
+    from sgl_spec.sparse.policy import AttnShape
+
+    pool = Pool()
+    shape = AttnShape(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                      kv_dtype=torch.float32)
+    cfg = ObserveConfig(prefill_rows=4, decode_every=16, worker=False)
+    obs = KrulObserver(L, cfg)
+    core = AttentionCore(Decoder(shape, None), observer=obs)
+    direct = KrulObserver(L, cfg)
+    play(direct, pool)
+    g = torch.Generator().manual_seed(2)
+    v = torch.randn_like(pool.k)
+    for batch, q in passes(pool, g):
+        plan = core.plan(batch)
+        for layer in range(L):
+            core.run(plan, layer, q, pool.k[layer], v[layer], torch.empty_like(q), 0.25)
+    for rid in ("a", "b"):
+        torch.testing.assert_close(obs.stats(rid).gram, direct.stats(rid).gram)
+
+
+def node(parent=None, stats=None, key_len=4):
+    n = SimpleNamespace(children={}, parent=parent, key=[0] * key_len,
+                        spec=SimpleNamespace(payloads=None))
+    if stats is not None:
+        n.spec.payloads = {"krul_stats": (key_len, stats)}
+    if parent is not None:
+        parent.children[len(parent.children)] = n
+    return n
+
+
+def sim_of(value: float) -> Similarity:
+    s = Similarity(2)
+    s.gram += value
+    s.rows += 1
+    return s
+
+
+def test_a_node_reads_the_deepest_statistics_of_each_branch_below_it():
+    from sgl_spec.integration.krul import conversation_stats
+
+    root = node()
+    doc = node(root)                                  # a shared document
+    t1 = node(doc, sim_of(1.0))                       # conversation A, turn 1
+    node(t1, sim_of(3.0))                             # ... turn 2 (sums include turn 1's)
+    node(doc, sim_of(10.0))                           # conversation B
+    assert float(conversation_stats(doc).gram[0, 0]) == 13.0
+    assert float(conversation_stats(t1).gram[0, 0]) == 3.0
+    lone = node(t1)                                   # nothing below: the deepest above
+    assert float(conversation_stats(lone).gram[0, 0]) == 1.0
+    assert conversation_stats(node(node())) is None
+
+
+def test_reference_distances_of_observed_rows():
+    """The estimator's distance is the cdist of the flattened maps (krul.similarity)."""
+    g = torch.Generator().manual_seed(3)
+    maps = [torch.softmax(torch.randn(2, HQ, 9, generator=g), -1) for _ in range(3)]
+    sim = Similarity(3)
+    with sim.step() as st:
+        for layer, m in enumerate(maps):
+            st.add(layer, m, torch.tensor([8, 8]))
+    torch.testing.assert_close(sim.distances(), reference_distances(maps), rtol=1e-4, atol=1e-6)
+
+
+def test_folds_run_in_line_on_a_cpu_host_and_on_a_worker_beside_a_gpu():
+    assert KrulObserver(L).folder is None
+    assert KrulObserver(L, device="cuda").folder is not None   # no GPU needed to build it
+    assert KrulObserver(L, ObserveConfig(worker=True)).folder is not None
+    with pytest.raises(ValueError, match="positive"):
+        ObserveConfig(prefill_rows=0)
