@@ -127,7 +127,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-krul-strategy", "krul", "strategy", "choice",
          "Krul: where a conversation's layer pairs come from. 'conversation': Algorithm 1 "
          "on its own attention, which the attention path samples as it serves the "
-         "conversation (a few prefill rows per extend, every 16th decode step); "
+         "conversation (8 prefill rows per extend, every 64th decode step); "
          "'model': the model's statistics (--spec-krul-stats), one strategy for all "
          "(the paper's Krul (Fix)), also the fallback for a conversation not yet observed.",
          ("conversation", "model")),

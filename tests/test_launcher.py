@@ -381,6 +381,10 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
             given_.get("--spec-mode", "exact") != "specontext":
         assert got == 2 and "--spec-prefetch is read only with --spec-mode specontext" in err
         return
+    if given_.get("--spec-krul-strategy", "conversation") != "conversation" and \
+            not given_.get("--spec-krul"):
+        assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err
+        return
     if given_.get("--spec-disable") and given_.get("--spec-krul"):
         assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
         return
