@@ -205,3 +205,14 @@ def test_folds_run_in_line_on_a_cpu_host_and_on_a_worker_beside_a_gpu():
     assert KrulObserver(L, ObserveConfig(worker=True)).folder is not None
     with pytest.raises(ValueError, match="positive"):
         ObserveConfig(prefill_rows=0)
+
+
+def test_a_one_token_extend_counts_as_a_decode_step():
+    """A mixed batch's decode rows arrive as one-token extends: every decode_every-th only."""
+    pool = Pool()
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16))
+    kw = dict(pool_rows=(0, 1), req_to_token=pool.req_to_token, rows=torch.tensor([0, 1]))
+    plan = obs.plan(BatchView("extend", rids=("a", "b"), seq_lens=(33, 48), extend_lens=(1, 1),
+                              seq_lens_t=torch.tensor([33, 48]), **kw))
+    assert [ob.rid for ob in plan.items] == ["b"] and plan.items[0].q_pos.tolist() == [47]
+    assert int(plan.items[0].q_idx) == 1                   # b's row of the pass

@@ -170,7 +170,8 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     # Krul's estimator observed the conversations as they were served: their nodes use
     # their own layer pairs (Algorithm 1 on their attention), and nothing per request
     # is left once they finished
-    assert totals["conversation_strategy_nodes"] >= 1 and totals["model_strategy_nodes"] == 0
+    # (the server's one-token warm-up is too short to choose from: the model's pairs)
+    assert totals["conversation_strategy_nodes"] >= 2, totals
     assert totals["observed_prefill_rows"] >= 2 * 8 * 9, totals
     assert after["live"].get("krul_stats") == 0, after["live"]
     # ~39% of the token-layers unstored (the profile's share), the rest in k8v4

@@ -200,8 +200,10 @@ class KrulObserver:
                                           slots, False, self._accumulator(rid).step()))
         elif batch.mode == "extend":
             q_start = 0
+            every = self.cfg.decode_every
             for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens)):
-                if e > 0:
+                # a one-token extend (a decode step in a mixed batch) as a decode step
+                if e > 1 or (e == 1 and n % every == 0):
                     pos = torch.tensor(prefill_positions(rid, n - e, e, self.cfg.prefill_rows))
                     items.append(Observed(rid, i, q_start + pos - (n - e), pos, None,
                                           self.folder is not None,

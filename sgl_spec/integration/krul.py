@@ -208,7 +208,7 @@ def strategy_for(cfg: KrulConfig, num_model_layers: int, pool_layers: int) -> St
     return Strategy(pool_layers, s.pairs, s.input_sensitive)
 
 
-MIN_OBSERVED = 1  # (row, head)s per layer before a conversation's own pairs are used
+MIN_OBSERVED = 32  # (row, query head)s per layer before a conversation's own pairs are used
 STATS_WALK = 256  # nodes of a subtree read for its conversations' statistics, at most
 
 
@@ -295,9 +295,10 @@ class Compressor:
         from sgl_spec.krul.select import select_pairs
 
         L = model_layers(pool.layer_num)
-        if sim.num_layers != L:
-            raise ValueError(f"a conversation's statistics cover {sim.num_layers} layers, "
-                             f"the model has {L}")
+        if sim.num_layers != L:  # cannot happen with one model; never stop the scheduler
+            logger.error("sgl_spec krul: a conversation's statistics cover %d layers, the "
+                         "model has %d: the model's pairs instead", sim.num_layers, L)
+            return self.model_strategy(pool), "model"
         s = select_pairs(sim.ir_share(), sim.distances(), gamma=self.cfg.gamma,
                          ratio=self.cfg.ratio)
         return Strategy(pool.layer_num, s.pairs, s.input_sensitive), "conversation"
