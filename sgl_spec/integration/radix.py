@@ -161,6 +161,20 @@ class TaggedRadixCache(SpecRadixCache):
             self.krul = self.tree_core.krul = Compressor(self, cfg.krul)
             self.tree_core.whole_node_payloads[KRUL] = self.krul.on_split
 
+    def insert(self, params):
+        result = UnifiedRadixCache.insert(self, params)
+        if self.disable or params.key is None or not len(params.key):
+            return result
+        core = self.tree_core
+        node = core._node_arena.get(result.last_device_node)
+        if node is not None:
+            core.harden_below(node)  # stock splits where an insert ends
+        if self.turn_format is not None and not core.precuts:
+            self._apply_cache_actions(core.cut_path(params.key.page_aligned(core.page_size)))
+        if self.spec_metrics is not None and self.spec_metrics.due():
+            self._update_metrics()
+        return result
+
     def match_prefix(self, params):
         result = super().match_prefix(params)
         if self.keep_lines and params.req is not None:
