@@ -73,6 +73,13 @@ def _topk_mask(scores: torch.Tensor, budget: int, cand: torch.Tensor) -> torch.T
     return torch.zeros(s.shape, dtype=torch.bool).scatter_(-1, idx, True)
 
 
+def _shared_covers(p, s, b: int, cand, fixed) -> dict[str, torch.Tensor]:
+    """Coverage of the head's top-``b`` and of the two oracles (``EARLY_METHODS``)."""
+    return {"specontext": _cover(p, _topk_mask(s, b, cand)[None] | fixed),
+            "oracle shared": _cover(p, _topk_mask(p.mean(0), b, cand)[None] | fixed),
+            "oracle per layer": _cover(p, _topk_mask(p, b, cand) | fixed)}
+
+
 @torch.no_grad()
 def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sink: int,
                    window: int, aux_layers) -> dict:
@@ -104,10 +111,8 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
         s = torch.cat([s, s.new_zeros(s.shape[0], T - t)], -1)
         if a < FIRST_STEP:  # the answer's start: LoopServe is dense here
             for b in budgets:
-                e = early[str(b)]
-                e["specontext"].append(_cover(p, _topk_mask(s, b, cand)[None] | fixed))
-                e["oracle shared"].append(_cover(p, _topk_mask(p.mean(0), b, cand)[None] | fixed))
-                e["oracle per layer"].append(_cover(p, _topk_mask(p, b, cand) | fixed))
+                for m, v in _shared_covers(p, s, b, cand, fixed).items():
+                    early[str(b)][m].append(v)
             continue
         s0 = FIRST_STEP + ((a - FIRST_STEP) // ND) * ND  # the LoopServe selection in force
         t0 = p0 + s0
@@ -116,9 +121,8 @@ def measure_prompt(model, rec, head, ids: list[int], n_answer: int, budgets, sin
         lfixed = (cols < sink) | ((cols >= t0 + 1 - window) & (cols <= t))
         for b in budgets:
             c = cov[str(b)]
-            c["specontext"].append(_cover(p, _topk_mask(s, b, cand)[None] | fixed))
-            c["oracle shared"].append(_cover(p, _topk_mask(p.mean(0), b, cand)[None] | fixed))
-            c["oracle per layer"].append(_cover(p, _topk_mask(p, b, cand) | fixed))
+            for m, v in _shared_covers(p, s, b, cand, fixed).items():
+                c[m].append(v)
             c["loopserve"].append(_cover(p, _topk_mask(obs, b, lcand) | lfixed))
     out = {b: {m: torch.stack(v).mean(dim=(0, 2)).tolist() for m, v in by.items()}
            for b, by in cov.items()}

@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
+import requests
+
 from sgl_spec.bench import cli, render, sweep, timing
 from sgl_spec.bench.configset import ServerConfig
 from sgl_spec.bench.decode_sweep import generate
@@ -71,8 +73,6 @@ def run_row(cfg: ServerConfig, model: str, ids: list[list[int]], plan: Plan, out
             q["tpot_s"] = (q["latency_s"] - q["ttft_s"]) / (plan.new_tokens - 1)
             reqs.append(q)
             bar.update(1)
-        import requests
-
         krul = requests.get(f"{server.url}/sgl_spec/cache", timeout=60).json().get("krul", {})
     record.update(requests=reqs, krul=krul,
                   ttft_median_s=timing.median(q["ttft_s"] for q in reqs),
