@@ -10,6 +10,12 @@
 #
 #     OUT=results/gpu-check bash launch/gpu_check.sh
 #     PARTS=restore OUT=results/gpu-restore bash launch/gpu_check.sh
+#
+# FlashInfer is not on those machines: `bash launch/gpu_pack.sh` here packs sglang's pin
+# into .gpu/fi (carry .gpu); the part `flashinfer` installs it, builds its kernels for
+# the tests' shapes in parallel (JIT, nvcc there), then runs the tests above with it.
+#
+#     PARTS="flashinfer tests bench" OUT=results/gpu-fi bash launch/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu-check}
@@ -30,19 +36,43 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-PARTS=${PARTS:-tests bench restore}
+PARTS=${PARTS:-tests bench vslash restore}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+
+SKIP=""
+FI=${FI:-.gpu/fi}
+if has flashinfer; then
+  site=/tmp/sgl_spec-fi
+  mkdir -p "$site"
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$site" "$FI"/*.whl \
+    && tar xJf "$FI/flashinfer.tar.xz" -C "$site" && export PYTHONPATH="$site:$PYTHONPATH"
+  $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$OUT/env.txt"
+  # One JIT build per kernel variant the tests use (dtype, head_dim, GQA group; group
+  # 7 takes the tensor-core kernel), all at once; a variant not built in time is
+  # deselected rather than built inside pytest's time.
+  for spec in "float16 32 2" "bfloat16 32 2" "float16 64 3" "bfloat16 64 3" \
+              "float16 64 7" "bfloat16 64 7" "bfloat16 32 3"; do
+    timeout "${WARM_LIMIT:-240}" $PY -m sgl_spec.kernels.sparse_decode.flashinfer_impl \
+      --warm $spec >"$OUT/warm-${spec// /-}.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/warm-*.log | grep -v "^\s*$" | tail -40
+  built() { for f in "$@"; do grep -q "^built" "$OUT/warm-$f.log" || return 1; done; }
+  built float16-64-7 bfloat16-64-7 || SKIP="$SKIP and not gqa7"
+  built float16-32-2 bfloat16-32-2 float16-64-3 bfloat16-64-3 || SKIP="$SKIP and not flashinfer"
+fi
 
 has tests && timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -rs \
   tests/test_sparse_decode_kernels.py tests/test_vslash_kernels.py tests/test_prefetch.py \
-  -k "(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process" \
+  tests/test_specontext.py tests/test_krul_observe.py \
+  -k "(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process$SKIP" \
   2>&1 | tee "$OUT/pytest.log"
 has tests && echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 
 has bench && timeout "${BENCH_LIMIT:-180}" $PY -m sgl_spec.bench.decode_kernels --device cuda \
-  --out "$OUT/decode" --histories 8192 32768 131072 --batches 1 8 --layers 30 \
+  --out "$OUT/decode" --histories ${HISTORIES:-8192 32768 131072} --batches 1 8 --layers 30 \
   --repeats 10 2>&1 | tee "$OUT/bench.log"
-has bench && timeout "${BENCH_LIMIT:-180}" $PY -m sgl_spec.bench.vslash --device cuda --dtype bfloat16 \
+has vslash && timeout "${BENCH_LIMIT:-180}" $PY -m sgl_spec.bench.vslash --device cuda --dtype bfloat16 \
   --n 16384 --history 16384 --density 0.02 0.05 0.1 --vertical-share 0.5 --repeats 5 \
   --out "$OUT/vslash.jsonl" 2>&1 | tee -a "$OUT/bench.log"
 

@@ -71,35 +71,40 @@ def reference_select(cfg: HeadConfig, w: HeadWeights, ids, aux, t: int, budget: 
 class HeadPool:
     """The pool's head layer and req_to_token for a few requests (fp32, NaN-poisoned)."""
 
-    def __init__(self, slots: int = 1024, rows: int = 4, ctx: int = 512, seed: int = 0):
+    def __init__(self, slots: int = 1024, rows: int = 4, ctx: int = 512, seed: int = 0,
+                 device: str = "cpu"):
         self.gen = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
         shape = (slots, HCFG.num_kv_heads, HCFG.head_dim)
-        self.keys = torch.full(shape, float("nan"))
-        self.kh = torch.full(shape, float("nan"))
-        self.req_to_token = torch.zeros(rows, ctx, dtype=torch.int32)
+        self.keys = torch.full(shape, float("nan"), device=device)
+        self.kh = torch.full(shape, float("nan"), device=device)
+        self.req_to_token = torch.zeros(rows, ctx, dtype=torch.int32, device=device)
         self.free = torch.randperm(slots, generator=self.gen).tolist()
 
     def store(self, embed=None) -> HeadStore:
         return HeadStore(lambda: (self.keys, self.kh), embed)
 
     def take(self, row: int, start: int, n: int) -> torch.Tensor:
-        slots = torch.tensor([self.free.pop() for _ in range(n)])
+        slots = torch.tensor([self.free.pop() for _ in range(n)], device=self.device)
         self.req_to_token[row, start : start + n] = slots.int()
         return slots
 
 
 def runtime(w: HeadWeights, pool: HeadPool) -> HeadRuntime:
-    return HeadRuntime(RetrievalHead(HCFG, w), pool.store(), "cpu")
+    dev = pool.device
+    return HeadRuntime(RetrievalHead(HCFG, w.to(dev)), pool.store(), dev)
 
 
 def pass_view(pool: HeadPool, mode: str, rids, rows, seq_lens, new, ids, loc) -> BatchView:
+    dev = pool.device
     return BatchView(mode, tuple(rids), tuple(seq_lens), tuple(rows),
                      tuple(new) if mode == "extend" else (), True, pool.req_to_token,
-                     torch.tensor(rows), torch.tensor(seq_lens), ids, loc)
+                     torch.tensor(rows, device=dev), torch.tensor(seq_lens, device=dev),
+                     ids.to(dev), loc.to(dev))
 
 
 def run_pass(rt: HeadRuntime, view: BatchView, aux: torch.Tensor) -> None:
     """One forward pass as the server drives the head: begin, then the three taps."""
     rt.begin_pass(view)
     for i in range(aux.shape[1]):
-        rt.capture(i, aux[:, i])
+        rt.capture(i, aux[:, i].to(rt.device))

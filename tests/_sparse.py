@@ -15,13 +15,15 @@ class FakePool:
     """A KV pool of one layer per ``SHAPE.num_layers``, rows of req_to_token per request."""
 
     def __init__(self, slots: int = 2048, max_ctx: int = 512, seed: int = 0,
-                 contiguous: bool = False):
-        self.gen = torch.Generator().manual_seed(seed)
+                 contiguous: bool = False, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.gen = torch.Generator().manual_seed(seed)  # draws on the CPU, on any device
         hkv, d = SHAPE.num_kv_heads, SHAPE.head_dim
         nan = float("nan")
-        self.k = [torch.full((slots, hkv, d), nan) for _ in range(SHAPE.num_layers)]
-        self.v = [torch.full((slots, hkv, d), nan) for _ in range(SHAPE.num_layers)]
-        self.req_to_token = torch.zeros(8, max_ctx, dtype=torch.int32)
+        kw = dict(device=device, dtype=dtype)
+        self.k = [torch.full((slots, hkv, d), nan, **kw) for _ in range(SHAPE.num_layers)]
+        self.v = [torch.full((slots, hkv, d), nan, **kw) for _ in range(SHAPE.num_layers)]
+        self.req_to_token = torch.zeros(8, max_ctx, dtype=torch.int32, device=device)
         # Scattered slots by default; contiguous: each request's run is one block.
         order = torch.arange(slots) if contiguous else torch.randperm(slots, generator=self.gen)
         self.free = order.flip(0).tolist()

@@ -38,24 +38,27 @@ def test_prefill_positions_are_the_last_half_and_a_seeded_draw():
 class Pool:
     """Four layers of a KV pool, with two requests' rows in req_to_token."""
 
-    def __init__(self, n_slots=200, seed=1):
+    def __init__(self, n_slots=200, seed=1, device="cpu"):
         g = torch.Generator().manual_seed(seed)
-        self.k = torch.randn(L, n_slots, HKV, D, generator=g)
+        self.k = torch.randn(L, n_slots, HKV, D, generator=g).to(device)
         perm = torch.randperm(n_slots, generator=g)
-        self.req_to_token = torch.stack([perm[:100], perm[100:]]).int()
+        self.req_to_token = torch.stack([perm[:100], perm[100:]]).int().to(device)
 
 
 def passes(pool, g):
     """An extend of two requests (one over a 20-token prefix), then decode steps."""
+    device = pool.k.device
+
     def dev(seq):
         return dict(seq_lens=seq, pool_rows=(0, 1), req_to_token=pool.req_to_token,
-                    rows=torch.tensor([0, 1]), seq_lens_t=torch.tensor(seq))
+                    rows=torch.tensor([0, 1], device=device),
+                    seq_lens_t=torch.tensor(seq, device=device))
 
     out = [BatchView("extend", rids=("a", "b"), extend_lens=(30, 25), **dev((30, 45)))]
     for n in (47, 48, 63, 64):
         out.append(BatchView("decode", rids=("a", "b"), **dev((n - 15, n))))
     return [(b, torch.randn(sum(b.extend_lens) if b.mode == "extend" else b.size, HQ, D,
-                            generator=g)) for b in out]
+                            generator=g).to(device)) for b in out]
 
 
 def play(obs: KrulObserver, pool: Pool, seed=2):
@@ -72,8 +75,9 @@ def play(obs: KrulObserver, pool: Pool, seed=2):
             obs.run(plan, layer, q, pool.k[layer], 0.25, keys)
             for ob in plan.items:
                 k = keys(ob.index)
-                rows = attention_rows_ref(q[ob.q_idx], k, ob.q_pos, 0.25)
-                expect[ob.rid][layer].append((rows, ob.q_pos))
+                rows = attention_rows_ref(q[ob.q_idx.to(q.device)], k, ob.q_pos.to(q.device),
+                                          0.25)
+                expect[ob.rid][layer].append((rows.cpu(), ob.q_pos.cpu()))
     if obs.folder is not None:
         obs.folder.drain()
     return expect
@@ -108,6 +112,22 @@ def test_observed_statistics_equal_the_rows_computed_from_scratch(cfg):
     # each: an extend (4 rows) and the decode steps at lengths 32, 48 (a) and 48, 64 (b)
     assert obs.stats("a").observed() == obs.stats("b").observed() == (4 + 2) * HQ
     assert obs.rows == {"prefill": 8 * HQ, "decode": 4 * HQ}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_rows_are_computed_on_the_gpu_and_folded_by_the_worker():
+    """As served beside a GPU model: the rows come from CUDA tensors, the prefill folds
+    go to the worker thread (the default there), and the statistics are the same."""
+    pool = Pool(device="cuda")
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16), device="cuda")
+    assert obs.folder is not None
+    expect = play(obs, pool)
+    for rid in ("a", "b"):
+        dist, ir = reference(expect[rid])
+        torch.testing.assert_close(obs.stats(rid).distances(), dist, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(obs.stats(rid).ir_share(), ir, rtol=1e-5, atol=1e-7)
+    assert obs.folder.seconds > 0 and obs.folder.queued_bytes == 0
 
 
 def test_state_is_seeded_shared_and_freed():

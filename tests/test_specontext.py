@@ -247,17 +247,20 @@ def test_saved_head_round_trips(tmp_path):
 CFG = DecodeConfig(mode="specontext", budget=8, sink=2, window=4, min_context=32)
 
 
-def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0):
+def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0, device="cpu", impl=None,
+           dtype=torch.float32):
     """A Decoder with the specontext policy over FakePool (the target's two layers) and
-    a head whose keys live in a HeadPool indexed by the same slots."""
-    pool = FakePool(seed=seed)
-    hpool = HeadPool(slots=2048, rows=8, ctx=512, seed=seed)
+    a head whose keys live in a HeadPool indexed by the same slots. Random values are
+    drawn on the CPU, so every device serves the same inputs."""
+    pool = FakePool(seed=seed, device=device, dtype=dtype)
+    hpool = HeadPool(slots=2048, rows=8, ctx=512, seed=seed, device=device)
     hpool.req_to_token = pool.req_to_token  # one slot space, as in the server
     w = random_weights(seed=seed)
     rt = runtime(w, hpool)
-    pol = get_policy("specontext", CFG, SHAPE)
+    shape = dataclasses.replace(SHAPE, kv_dtype=dtype)
+    pol = get_policy("specontext", CFG, shape, device)
     pol.attach(rt)
-    dec = Decoder(SHAPE, pol, prefetch=prefetch,
+    dec = Decoder(shape, pol, prefetch=prefetch, impl=impl,
                   pool_layers=lambda layer: (pool.k[layer], pool.v[layer]))
     rids, rows = ["a", "b", "c"][: len(prompts)], [3, 0, 5][: len(prompts)]
     g = torch.Generator().manual_seed(seed)
@@ -275,12 +278,14 @@ def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0):
         loc = torch.stack([pool.req_to_token[r, pool.lens[r] - 1].long() for r in rows])
         ids = torch.randint(0, HCFG.vocab_size, (len(rows),), generator=g)
         view = BatchView("decode", tuple(rids), tuple(seq), tuple(rows), (), True,
-                         pool.req_to_token, torch.tensor(rows), torch.tensor(seq), ids, loc)
+                         pool.req_to_token, torch.tensor(rows, device=device),
+                         torch.tensor(seq, device=device), ids.to(device), loc)
         rt.begin_pass(view)
         plan = dec.plan(view)
         step = []
         for layer in range(SHAPE.num_layers):
-            q = torch.randn(len(rows), SHAPE.num_q_heads, SHAPE.head_dim, generator=g)
+            q = torch.randn(len(rows), SHAPE.num_q_heads, SHAPE.head_dim, generator=g).to(
+                device, dtype)
             out = torch.full_like(q, float("nan"))
             dec.run(plan, layer, q, pool.k[layer], pool.v[layer], out, SHAPE.sm_scale)
             step.append((q, out, plan))
@@ -316,6 +321,37 @@ def test_thread_prefetch_gives_the_inline_result():
     for a, b in zip(inline, thread):
         for (_, oa, _), (_, ob, _) in zip(a, b):
             assert torch.equal(oa, ob)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("impl", ["triton", "flashinfer"])
+def test_on_cuda_the_side_stream_serves_the_selected_rows(impl):
+    """The GPU path as served: head, policy and staging on CUDA, the staged rows copied
+    on the side stream, the kernel FlashInfer (as the server picks on CUDA) or Triton.
+    Each layer's output equals the reference over the selection it was planned with,
+    and the selections are the CPU run's (same inputs)."""
+    if impl == "flashinfer":
+        pytest.importorskip("flashinfer")
+    dec, pool, rids, rows, outs = _serve("stream", device="cuda", impl=impl,
+                                         dtype=torch.bfloat16)  # a GPU pool's dtype
+    assert dec.prefetcher.name == "stream"
+    for q_out_plans in outs:
+        for layer, (q, out, plan) in enumerate(q_out_plans):
+            ref = sparse_decode_reference(q.float(), pool.k[layer].float(),
+                                          pool.v[layer].float(), plan.subsets,
+                                          scale=SHAPE.sm_scale)
+            assert float((out.float() - ref).norm() / ref.norm()) <= 2e-2, (layer, impl)
+    cpu = _serve("inline")[4]
+    same = total = 0
+    for a, b in zip(cpu, outs):
+        sa, sb = a[0][2].subsets, b[0][2].subsets
+        same += int((sa.sel_idx == sb.sel_idx.cpu()).all(-1).sum())
+        total += sa.sel_idx.shape[0] * sa.sel_idx.shape[1]
+    assert same >= 0.9 * total, (same, total)  # float rounding may swap a near-tie
+    for rid in rids:
+        dec.release(rid)
+    assert dec.live_states == 0
 
 
 def test_a_reused_slot_starts_with_empty_staging():

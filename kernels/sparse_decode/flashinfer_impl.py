@@ -233,3 +233,47 @@ def sparse_decode_flashinfer(
         head_dim=dims.head_dim, scale=scale, q_dtype=q.dtype, kv_dtype=k_buf.dtype,
     )
     return runner.run(q, k_buf, v_buf, sub.sel_idx, out=out)
+
+
+def _warm(dtype: str, head_dim: int, group: int) -> None:
+    """Build (JIT) and check the kernel variant for one dtype, head_dim and GQA group:
+    a dense decode over random data against the float64 reference."""
+    import time
+
+    from .common import dense_subsets
+    from .reference import sparse_decode_reference
+
+    dt, hkv, bsz, n = getattr(torch, dtype), 2, 2, 96
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(4 * n, hkv, head_dim, generator=g) for _ in range(2))
+    q = torch.randn(bsz, hkv * group, head_dim, generator=g)
+    r2t = torch.randperm(4 * n, generator=g)[: bsz * n].view(bsz, n).int()
+    sub = dense_subsets(r2t, torch.arange(bsz), torch.full((bsz,), n), hkv)
+    # the reference of the values the kernel sees (rounded to dtype), in float32
+    ref = sparse_decode_reference(*(t.to(dt).float() for t in (q, k, v)), sub,
+                                  scale=head_dim**-0.5).double()
+    cuda = lambda t: t.to("cuda", dt)  # noqa: E731
+    sub_c = sub._replace(**{f: getattr(sub, f).cuda() for f in
+                            ("req_to_token", "rows", "seq_lens", "sel_idx", "sel_len",
+                             "recent_start")})
+    t0 = time.perf_counter()
+    runner = FlashInferSparseDecode("cuda")
+    runner.plan(sub_c, num_q_heads=hkv * group, num_kv_heads=hkv, head_dim=head_dim,
+                scale=head_dim**-0.5, q_dtype=dt, kv_dtype=dt)
+    out = runner.run(cuda(q), cuda(k), cuda(v), sub_c.sel_idx)
+    torch.cuda.synchronize()
+    err = float((out.double().cpu() - ref).norm() / ref.norm())
+    print(f"built {dtype} head_dim {head_dim} group {group} "
+          f"(tensor cores: {runner._tensor_cores}) in {time.perf_counter() - t0:.1f} s; "
+          f"rel. err {err:.1e}")
+    if not err <= 2e-2:
+        raise SystemExit(f"rel. err {err} over 2e-2")
+
+
+if __name__ == "__main__":  # python -m ...flashinfer_impl --warm DTYPE HEAD_DIM GROUP
+    import argparse
+
+    ap = argparse.ArgumentParser(description=_warm.__doc__)
+    ap.add_argument("--warm", nargs=3, metavar=("DTYPE", "HEAD_DIM", "GROUP"), required=True)
+    a = ap.parse_args()
+    _warm(a.warm[0], int(a.warm[1]), int(a.warm[2]))

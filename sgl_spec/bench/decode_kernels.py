@@ -27,7 +27,11 @@ since stock sglang decodes through FlashInfer there, which this bench does not l
   over a LoopServe B=``--budget`` selection, split over the keys as it chooses
   (``triton_impl.auto_num_splits``); ``... (1 split)``: the same calls forced onto the
   one-pass kernel (one program per request and KV head), the split's baseline;
-  ``loopserve torch``: the torch fallback.
+  ``loopserve torch``: the torch fallback;
+* where FlashInfer imports, ``exact flashinfer`` / ``loopserve flashinfer``: its paged
+  decode over one page list per (request, KV head), planned once per step and run per
+  layer (``FlashInferSparseDecode``, as a serving pass does); ``... (plan per layer)``:
+  ``sparse_decode(impl="flashinfer")`` per layer, a plan (and its host sync) each time.
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 
 PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu")
 ONE_SPLIT = " (1 split)"  # path suffix: the Triton kernel with num_splits=1
-CUDA_PATHS = ("dense sdpa", "exact triton", f"exact triton{ONE_SPLIT}", "loopserve triton",
-              f"loopserve triton{ONE_SPLIT}", "loopserve torch")
+PER_LAYER = " (plan per layer)"  # path suffix: FlashInfer planned at every layer
+CUDA_PATHS = ("dense sdpa", "exact triton", f"exact triton{ONE_SPLIT}", "exact flashinfer",
+              "loopserve triton", f"loopserve triton{ONE_SPLIT}", "loopserve flashinfer",
+              f"loopserve flashinfer{PER_LAYER}", "loopserve torch")
 
 
 def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0,
@@ -83,6 +89,11 @@ def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs,
         impl, sub = path.split()[1], subsets[path]
         if path.endswith(ONE_SPLIT):
             return lambda: _one_pass(q, ks, vs, sub, scale, out)
+        if impl == "flashinfer" and not path.endswith(PER_LAYER):
+            from sgl_spec.kernels.sparse_decode.flashinfer_impl import FlashInferSparseDecode
+
+            runner = FlashInferSparseDecode(q.device)  # kept, as a serving loop keeps it
+            return lambda: _planned_once(runner, q, ks, vs, sub, scale, out)
         # As a serving pass: the first layer checks the inputs, the others do not.
         return lambda: [sparse_decode(q, k, v, sub, scale=scale, impl=impl, out=out,
                                       check=i == 0)
@@ -119,6 +130,23 @@ def _one_pass(q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
     return out
 
 
+def _planned_once(runner, q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
+    """FlashInfer as a serving pass drives it: one plan for the step, one run per layer."""
+    runner.plan(sub, num_q_heads=q.shape[1], num_kv_heads=ks[0].shape[1],
+                head_dim=q.shape[2], scale=scale, q_dtype=q.dtype, kv_dtype=ks[0].dtype)
+    for k, v in zip(ks, vs):
+        runner.run(q, k, v, sub.sel_idx, out=out)
+    return out
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
               hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
     from sgl_spec.integration.standalone import torch_native_decode
@@ -149,11 +177,16 @@ def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: 
     seq = torch.full((batch,), history, device="cuda")
     scale = d**-0.5
     dense = dense_subsets(r2t, rows, seq, hkv)
+    fi = _has_flashinfer()
     subsets = {"exact triton": dense, f"exact triton{ONE_SPLIT}": dense}
+    if fi:
+        subsets["exact flashinfer"] = dense
     if history > budget + 4 + 80:
         sparse = _sparse(r2t, rows, seq, hkv, budget)
         subsets |= {"loopserve triton": sparse, f"loopserve triton{ONE_SPLIT}": sparse,
                     "loopserve torch": sparse}
+        if fi:
+            subsets |= {"loopserve flashinfer": sparse, f"loopserve flashinfer{PER_LAYER}": sparse}
     out = torch.empty_like(q)
 
     def sdpa():

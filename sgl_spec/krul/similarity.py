@@ -57,7 +57,7 @@ def attention_rows_ref(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     scale = d ** -0.5 if scale is None else scale
     kk = k.double().repeat_interleave(hq // hkv, dim=1)                # [n, Hq, D]
     s = torch.einsum("mhd,nhd->mhn", q.double(), kk) * scale
-    future = torch.arange(n)[None, :] > q_pos[:, None]
+    future = torch.arange(n, device=k.device)[None, :] > q_pos.to(k.device)[:, None]
     s.masked_fill_(future[:, None, :], float("-inf"))
     return torch.softmax(s, dim=-1).float()
 
