@@ -65,13 +65,13 @@ fi
 has tests && timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -rs \
   tests/test_sparse_decode_kernels.py tests/test_vslash_kernels.py tests/test_prefetch.py \
   tests/test_specontext.py tests/test_krul_observe.py \
-  -k "(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process$SKIP" \
+  -k "${TEST_K:-(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process}$SKIP" \
   2>&1 | tee "$OUT/pytest.log"
 has tests && echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
 
 has bench && timeout "${BENCH_LIMIT:-180}" $PY -m sgl_spec.bench.decode_kernels --device cuda \
   --out "$OUT/decode" --histories ${HISTORIES:-8192 32768 131072} --batches 1 8 --layers 30 \
-  --repeats 10 2>&1 | tee "$OUT/bench.log"
+  --repeats 10 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 has vslash && timeout "${BENCH_LIMIT:-180}" $PY -m sgl_spec.bench.vslash --device cuda --dtype bfloat16 \
   --n 16384 --history 16384 --density 0.02 0.05 0.1 --vertical-share 0.5 --repeats 5 \
   --out "$OUT/vslash.jsonl" 2>&1 | tee -a "$OUT/bench.log"

@@ -92,7 +92,7 @@ class HeadPool:
 
 def runtime(w: HeadWeights, pool: HeadPool) -> HeadRuntime:
     dev = pool.device
-    return HeadRuntime(RetrievalHead(HCFG, w.to(dev)), pool.store(), dev)
+    return HeadRuntime(RetrievalHead(HCFG, w, device=dev), pool.store(), dev)
 
 
 def pass_view(pool: HeadPool, mode: str, rids, rows, seq_lens, new, ids, loc) -> BatchView:

@@ -58,10 +58,10 @@ class PagePlan(NamedTuple):
     indptr: torch.Tensor  # [B * Hkv + 1] int32
     indices: torch.Tensor  # [nnz] int32 page ids slot * Hkv + h; selection filled per layer
     sel_at: torch.Tensor  # [n] int64: entries of `indices` that hold selected pages
-    sel_b: torch.Tensor  # [n] int64: their request,
-    sel_h: torch.Tensor  # [n] int64: KV head,
-    sel_j: torch.Tensor  # [n] int64: column in sel_idx,
-    sel_rows: torch.Tensor  # [n] int64: req_to_token row.
+    sel_src: torch.Tensor  # [n] int64: their element of sel_idx (flat, width `sel_width`)
+    sel_base: torch.Tensor  # [n] int64: their req_to_token row's first element (flat)
+    sel_head: torch.Tensor  # [n] int32: their KV head
+    sel_width: int  # sel_idx.shape[2] the flat indices were made for
 
 
 def build_pages(sub: DecodeSubsets, num_kv_heads: int) -> PagePlan:
@@ -95,22 +95,32 @@ def build_pages(sub: DecodeSubsets, num_kv_heads: int) -> PagePlan:
     rows = sub.rows.long()[b]
     indices = (sub.req_to_token[rows, pos].long() * hkv + h).to(torch.int32)
     sel_at = is_sel.nonzero().squeeze(1)
+    width = sub.sel_idx.shape[2]
     return PagePlan(
-        indptr, indices, sel_at, b[sel_at], h[sel_at], (j - s_end)[sel_at], rows[sel_at]
+        indptr, indices, sel_at, pair[sel_at] * width + (j - s_end)[sel_at],
+        rows[sel_at] * sub.req_to_token.shape[1], h[sel_at].to(torch.int32), width,
     )
 
 
 def fill_selected(
     pages: PagePlan,
     req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
-    sel_idx: torch.Tensor,  # [B, Hkv, max_sel] int64
+    sel_idx: torch.Tensor,  # [B, Hkv, sel_width] int64
     num_kv_heads: int,
 ) -> None:
-    """Write one layer's selected pages into ``pages.indices`` (in place, no sync)."""
+    """Write one layer's selected pages into ``pages.indices`` (in place, no sync).
+
+    Six small kernels over flat indices made at plan time: per layer this runs 30+
+    times a step, where launches, not bytes, are the cost (GPU check, 2026-11-27).
+    """
     if len(pages.sel_at):
-        pos = sel_idx[pages.sel_b, pages.sel_h, pages.sel_j]
-        slots = req_to_token[pages.sel_rows, pos].long()
-        pages.indices[pages.sel_at] = (slots * num_kv_heads + pages.sel_h).to(torch.int32)
+        if sel_idx.shape[2] != pages.sel_width:
+            raise ValueError(f"sel_idx width {sel_idx.shape[2]} is not the planned "
+                             f"{pages.sel_width}")
+        pos = sel_idx.reshape(-1).index_select(0, pages.sel_src)
+        slots = req_to_token.view(-1).index_select(0, pos.add_(pages.sel_base))
+        pages.indices.index_copy_(0, pages.sel_at,
+                                  slots.mul_(num_kv_heads).add_(pages.sel_head))
 
 
 class FlashInferSparseDecode:

@@ -79,28 +79,44 @@ def _sparse(r2t, rows, seq, hkv, budget, sink=4, window=80, seed=1) -> DecodeSub
 
 
 def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs, scale: float,
-             repeats: int, history: int, batch: int, warmup: int = 1, sync=None) -> dict:
+             repeats: int, history: int, batch: int, warmup: int = 1, sync=None,
+             graph: bool = False) -> dict:
     """Time ``base_fn`` and ``sparse_decode`` over each of ``subsets`` (path "<name>
     <impl>", or "<name> triton (1 split)") across the layers, and each one's error
-    against float64 attention."""
+    against float64 attention. ``graph``: also each step captured in a CUDA graph and
+    replayed (sglang decodes so on a GPU), for the paths that can be captured."""
     out = torch.empty_like(q)
 
-    def ours(path):
+    def ours(path, captured=False):
         impl, sub = path.split()[1], subsets[path]
         if path.endswith(ONE_SPLIT):
-            return lambda: _one_pass(q, ks, vs, sub, scale, out)
+            return lambda: _one_pass(q, ks, vs, sub, scale, out, check=not captured)
         if impl == "flashinfer" and not path.endswith(PER_LAYER):
             from sgl_spec.kernels.sparse_decode.flashinfer_impl import FlashInferSparseDecode
 
             runner = FlashInferSparseDecode(q.device)  # kept, as a serving loop keeps it
+            if captured:  # planned before the capture, as sglang plans before a replay
+                _plan(runner, q, ks[0], sub, scale)
+                return lambda: _run_layers(runner, q, ks, vs, sub, out)
             return lambda: _planned_once(runner, q, ks, vs, sub, scale, out)
         # As a serving pass: the first layer checks the inputs, the others do not.
         return lambda: [sparse_decode(q, k, v, sub, scale=scale, impl=impl, out=out,
-                                      check=i == 0)
+                                      check=i == 0 and not captured)
                         for i, (k, v) in enumerate(zip(ks, vs))][-1]
 
     fns = {base: base_fn, **{p: ours(p) for p in subsets}}
     ms = {p: 1e3 * median_s(fn, repeats, warmup=warmup, sync=sync) for p, fn in fns.items()}
+    ms_graph = {}
+    if graph:
+        graph_fns = {base: base_fn, **{p: ours(p, captured=True) for p in subsets
+                                       if not p.endswith(PER_LAYER) and "torch" not in p}}
+        for p, fn in graph_fns.items():
+            try:
+                replay = _captured(fn)
+                ms_graph[p] = 1e3 * median_s(replay, repeats, warmup=warmup, sync=sync)
+            except Exception as exc:  # a path with a host sync cannot be captured
+                ms_graph[p] = None
+                print(f"{p}: not captured ({type(exc).__name__}: {exc})"[:300])
     errs, refs = {}, {}
     for p, fn in fns.items():
         sub = subsets.get(p, dense)
@@ -111,17 +127,34 @@ def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs,
         ref = refs[id(sub)]
         got = fn().double()
         errs[p] = float((got - ref).norm() / ref.norm())
-    return {"history": history, "batch": batch, "layers": len(ks), "ms": ms,
-            f"vs_{base.replace(' ', '_')}": {p: ms[p] / ms[base] for p in ms}, "rel_err": errs}
+    res = {"history": history, "batch": batch, "layers": len(ks), "ms": ms,
+           f"vs_{base.replace(' ', '_')}": {p: ms[p] / ms[base] for p in ms}, "rel_err": errs}
+    if graph:
+        res["ms_graph"] = ms_graph
+    return res
 
 
-def _one_pass(q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
+def _captured(fn):
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream); its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _one_pass(q, ks, vs, sub: DecodeSubsets, scale: float, out, check=True) -> torch.Tensor:
     """The Triton kernel forced to one split, with ``sparse_decode``'s first-layer checks
     (so it pays what the auto-split path pays on top of the kernels)."""
     from sgl_spec.kernels.sparse_decode.triton_impl import sparse_decode_triton
 
     for i, (k, v) in enumerate(zip(ks, vs)):
-        if i == 0:
+        if i == 0 and check:
             dims = check_inputs(q, k, v, sub)
             check_out(out, q, dims)
         else:
@@ -132,8 +165,16 @@ def _one_pass(q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
 
 def _planned_once(runner, q, ks, vs, sub: DecodeSubsets, scale: float, out) -> torch.Tensor:
     """FlashInfer as a serving pass drives it: one plan for the step, one run per layer."""
-    runner.plan(sub, num_q_heads=q.shape[1], num_kv_heads=ks[0].shape[1],
-                head_dim=q.shape[2], scale=scale, q_dtype=q.dtype, kv_dtype=ks[0].dtype)
+    _plan(runner, q, ks[0], sub, scale)
+    return _run_layers(runner, q, ks, vs, sub, out)
+
+
+def _plan(runner, q, k, sub: DecodeSubsets, scale: float) -> None:
+    runner.plan(sub, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                scale=scale, q_dtype=q.dtype, kv_dtype=k.dtype)
+
+
+def _run_layers(runner, q, ks, vs, sub: DecodeSubsets, out) -> torch.Tensor:
     for k, v in zip(ks, vs):
         runner.run(q, k, v, sub.sel_idx, out=out)
     return out
@@ -170,7 +211,7 @@ def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
 
 
 def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: int,
-                   hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
+                   hq: int = 9, hkv: int = 3, d: int = 64, graph: bool = False) -> dict:
     """The ``--device cuda`` paths (module doc); times with CUDA synchronisation."""
     ks, vs, r2t, q = _setup(history, batch, layers, hq, hkv, d, device="cuda")
     rows = torch.arange(batch, device="cuda")
@@ -198,7 +239,7 @@ def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: 
         return out
 
     return _measure("dense sdpa", sdpa, subsets, dense, q, ks, vs, scale, repeats, history,
-                    batch, warmup=2, sync=torch.cuda.synchronize)
+                    batch, warmup=2, sync=torch.cuda.synchronize, graph=graph)
 
 
 def markdown(res: dict) -> str:
@@ -206,19 +247,25 @@ def markdown(res: dict) -> str:
     c = res["config"]
     cuda = c.get("device") == "cuda"
     base, paths = ("dense sdpa", CUDA_PATHS) if cuda else ("torch_native", PATHS)
+    graph = any("ms_graph" in pt for pt in res["points"])
     for pt in res["points"]:
         for p in paths:
             if p in pt["ms"]:
-                rows.append([str(pt["history"]), str(pt["batch"]), p,
-                             render.num(pt["ms"][p], digits=2),
-                             render.ratio(pt[f"vs_{base.replace(' ', '_')}"][p]),
-                             f"{pt['rel_err'][p]:.1e}"])
+                row = [str(pt["history"]), str(pt["batch"]), p,
+                       render.num(pt["ms"][p], digits=2),
+                       render.ratio(pt[f"vs_{base.replace(' ', '_')}"][p])]
+                if graph:
+                    g, g0 = pt["ms_graph"].get(p), pt["ms_graph"].get(base)
+                    row += ["-" if g is None else render.num(g, digits=2),
+                            "-" if g is None or not g0 else render.ratio(g / g0)]
+                rows.append(row + [f"{pt['rel_err'][p]:.1e}"])
     where = c.get("gpu") if cuda else f"{c['threads']} threads"
     head = (f"One decode step, {c['layers']} layers, 9/3 heads, head_dim 64, bf16 KV, "
             f"{where}, median of {c['repeats']}.")
-    return "\n".join([head, "", *render.table(
-        ["history", "batch", "path", "ms / step", f"vs {base}", "rel. err (fp64)"],
-        rows)]) + "\n"
+    cols = ["history", "batch", "path", "ms / step", f"vs {base}"]
+    if graph:
+        cols += ["ms / step, CUDA graph", f"vs {base}, graph"]
+    return "\n".join([head, "", *render.table(cols + ["rel. err (fp64)"], rows)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -230,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="with --device cuda: also time each step captured in a CUDA graph "
+                         "and replayed, as sglang decodes on a GPU")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu (default): stock's torch_native against the C++ kernel; "
                          "cuda: the Triton and torch paths against gathered SDPA")
@@ -244,8 +294,11 @@ def main(argv: list[str] | None = None) -> None:
               "threads": torch.get_num_threads(), "device": args.device}
     if args.device == "cuda":
         config["gpu"] = torch.cuda.get_device_name()
+    if args.cuda_graph and args.device != "cuda":
+        ap.error("--cuda-graph needs --device cuda")
+    extra = {"graph": True} if args.cuda_graph else {}
     res = {"config": config,
-           "points": [point(h, b, args.layers, args.budget, args.repeats)
+           "points": [point(h, b, args.layers, args.budget, args.repeats, **extra)
                       for h in args.histories for b in args.batches]}
     md = markdown(res)
     cli.write_results(args.out, res, md)
