@@ -290,7 +290,7 @@ def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0, device="cpu
             dec.run(plan, layer, q, pool.k[layer], pool.v[layer], out, SHAPE.sm_scale)
             step.append((q, out, plan))
         for i in range(N_AUX):
-            rt.capture(i, _aux(len(rows), seed + 100)[:, i])
+            rt.capture(i, _aux(len(rows), seed + 100)[:, i].to(device))
         outs.append(step)
     return dec, pool, rids, rows, outs
 
