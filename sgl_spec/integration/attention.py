@@ -29,6 +29,8 @@ from sgl_spec.config import current
 from sgl_spec.sparse.policy import AttnShape
 
 logger = logging.getLogger(__name__)
+# The sparse-decode kernel of a staging policy (SpeContext) on CUDA; see create_backend.
+CUDA_DECODE_IMPL = "triton"
 
 
 class SpecAttnBackend(TorchNativeAttnBackend):
@@ -128,12 +130,16 @@ def create_backend(runner):
         from .head import build_runtime
 
         head, pool_layers = build_runtime(runner, runner.device)
-    # SpeContext on CUDA: the same plan, the staged rows on FlashInfer's paged decode
-    # (one page list per request and KV head), copies on a side stream; CUDA graphs
-    # off (the launcher's --disable-cuda-graph). Unverified: no GPU has been lent.
+    # SpeContext on CUDA: the same plan, the staged rows on the split-K Triton kernel,
+    # copies on a side stream; CUDA graphs off (the launcher's --disable-cuda-graph), so
+    # each layer's call is eager. On an H200 (docs/results/2026-11-27-gpu-flashinfer.md)
+    # a B=1024 step of 30 layers took 2.5-3.8 ms on Triton, 4.0-5.2 ms on FlashInfer
+    # planned once per pass and 38-46 ms planned per layer (sparse_decode's one-shot
+    # call); captured in a CUDA graph the two kernels were level (0.7-0.9 ms). The
+    # decoder on CUDA is tested with both; serving on a GPU is not verified.
     core = build_core(cfg, attn_shape(runner), runner.device,
                       enable_metrics=runner.server_args.enable_metrics, head=head,
-                      pool_layers=pool_layers, impl="flashinfer" if cuda else None)
+                      pool_layers=pool_layers, impl=CUDA_DECODE_IMPL if cuda else None)
     return SpecAttnBackend(runner, core)
 
 
