@@ -106,3 +106,16 @@ def test_split_tune_table_marks_the_default_and_refuses_a_cpu_host(capsys):
         with pytest.raises(SystemExit) as exc:
             split_tune.main(["--out", "unused"])
         assert exc.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_restore_kernel_bench_times_each_path_and_checks_the_rows(tmp_path):
+    from sgl_spec.bench import restore_kernel
+
+    restore_kernel.main(["--out", str(tmp_path), "--tokens", "64", "--layers", "2",
+                         "--repeats", "2", "--threads", "1", "--codecs", "k8v4"])
+    res = json.loads((tmp_path / "results.json").read_text())
+    (pt,) = res["points"]
+    assert pt["one_pass_equals_torch"] and pt["threads"] == 1
+    assert set(pt["ms"]) == {"full copy", "codec, torch", "codec, one pass"}
+    assert all(0 < s["min"] <= s["median"] <= s["max"] for s in pt["ms"].values())
+    assert "codec, one pass" in (tmp_path / "results.md").read_text()

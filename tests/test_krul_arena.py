@@ -294,3 +294,30 @@ def test_host_eviction_is_byte_driven():
     assert evict_for_bytes(lambda: free[0], evict, 10) == 12 and len(nodes) == 1
     assert evict_for_bytes(lambda: free[0], evict, 12) == 4   # all that is left
     assert evict_for_bytes(lambda: free[0], evict, 0) == 0
+
+
+@pytest.mark.parametrize("codec", ["full", "int8", "k8v4"])
+def test_read_into_writes_what_read_returns_into_the_pool_rows(codec):
+    """A restore's one-pass write equals read + an indexed write: stored rows land in
+    their pool slots, unstored ones (the pre-pass recomputes them) and other slots keep
+    what they held; merged rows read back as their reconstruction."""
+    a, s, _, _ = _filled(n=12, codec=codec, dtype=torch.bfloat16)
+    pool_k = torch.full((30, H, D), 7.0, dtype=torch.bfloat16)
+    pool_v = pool_k.clone()
+    dst = torch.randperm(30, generator=torch.Generator().manual_seed(3))[:12]
+    for l in range(L):          # every row the slot's own: the one-pass path
+        stored = a.read_into(l, s, pool_k, pool_v, dst)
+        k, v, want = a.read(l, s)
+        assert stored.all() and want.all()
+        assert torch.equal(pool_k[dst], k) and torch.equal(pool_v[dst], v)
+    a.compress(s, Strategy(L, ((L - 2, L - 1),)), [3, 1] + [0] * (L - 2),
+               MergeParams(retain=0.0, max_error=1.0))
+    for l in (0, L - 1):        # unstored leading rows, then a merged layer
+        pool_k.fill_(7.0)
+        pool_v.fill_(7.0)
+        stored = a.read_into(l, s, pool_k, pool_v, dst)
+        k, v, want = a.read(l, s)
+        assert torch.equal(stored, want)
+        assert torch.equal(pool_k[dst[stored]], k[stored])
+        assert torch.equal(pool_v[dst[stored]], v[stored])
+        assert (pool_k[dst[~stored]] == 7).all()

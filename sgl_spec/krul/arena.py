@@ -185,6 +185,20 @@ class Arena:
             v[mer] = (dv.float() * mags[:, 1, :, None].float()).to(self.dtype)
         return k, v, m != UNSTORED
 
+    def read_into(self, layer: int, slots: torch.Tensor, k_out: torch.Tensor,
+                  v_out: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """``read``, written straight into the pool rows ``dst`` ([n], on k_out's device);
+        unstored rows are left as they are. Returns the stored mask [n] bool."""
+        m = self.map[layer, slots.cpu().long()]
+        if bool((m >= 0).all()):  # the usual restore: one pass from codes to pool rows
+            self.store.get_into(m, k_out, v_out, dst)
+            return torch.ones(m.numel(), dtype=torch.bool)
+        k, v, stored = self.read(layer, slots)
+        at = stored.to(dst.device)
+        k_out[dst[at]] = k[stored].to(k_out.device, k_out.dtype)
+        v_out[dst[at]] = v[stored].to(v_out.device, v_out.dtype)
+        return stored
+
     def compress(self, slots: torch.Tensor, strategy: Strategy, unstored: Sequence[int],
                  params: MergeParams = MergeParams()) -> Compressed:
         """Compress a run of uncompressed slots (in token order) in place.

@@ -21,6 +21,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from sgl_spec.kernels.dequant import dequant_scatter
+
 from .quant import QuantRows, dequantize, quantize
 
 
@@ -48,6 +50,14 @@ class RowStore(ABC):
     @abstractmethod
     def get(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of ``rows`` as [n, H, D] in ``dtype``."""
+
+    def get_into(self, rows: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+        """``k_out[dst], v_out[dst] = get(rows)``: a restore's write into the pool's slots
+        (codecs with a one-pass kernel override it)."""
+        k, v = self.get(rows)
+        k_out[dst] = k.to(k_out.dtype)
+        v_out[dst] = v.to(v_out.dtype)
 
     @abstractmethod
     def buffers(self) -> list[torch.Tensor]:
@@ -137,6 +147,15 @@ class QuantStore(RowStore):
     def get(self, rows):
         return (dequantize(QuantRows(self.k[rows], self.k_scale[rows], self.k_bits), self.dtype),
                 dequantize(QuantRows(self.v[rows], self.v_scale[rows], self.v_bits), self.dtype))
+
+    def get_into(self, rows, k_out, v_out, dst):
+        # One pass per row (C++ on a CPU pool): 5x faster than get + an indexed write for
+        # a 4k-token, 30-layer restore on one core (docs/design/krul.md §16).
+        if k_out.device.type != "cpu":
+            return super().get_into(rows, k_out, v_out, dst)
+        rows = rows.long()
+        dequant_scatter(self.k, self.k_scale, self.k_bits, rows, k_out, dst)
+        dequant_scatter(self.v, self.v_scale, self.v_bits, rows, v_out, dst)
 
     def buffers(self):
         return [self.k, self.k_scale, self.v, self.v_scale]
