@@ -381,6 +381,9 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
             given_.get("--spec-mode", "exact") != "specontext":
         assert got == 2 and "--spec-prefetch is read only with --spec-mode specontext" in err
         return
+    if given_.get("--spec-dense-layers") and given_.get("--spec-mode", "exact") == "exact":
+        assert got == 2 and "--spec-dense-layers is read only with a sparse --spec-mode" in err
+        return
     if given_.get("--spec-krul-strategy", "conversation") != "conversation" and \
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err

@@ -248,7 +248,7 @@ CFG = DecodeConfig(mode="specontext", budget=8, sink=2, window=4, min_context=32
 
 
 def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0, device="cpu", impl=None,
-           dtype=torch.float32):
+           dtype=torch.float32, cfg=CFG):
     """A Decoder with the specontext policy over FakePool (the target's two layers) and
     a head whose keys live in a HeadPool indexed by the same slots. Random values are
     drawn on the CPU, so every device serves the same inputs."""
@@ -258,7 +258,7 @@ def _serve(prefetch="inline", prompts=(60, 20, 45), steps=6, seed=0, device="cpu
     w = random_weights(seed=seed)
     rt = runtime(w, hpool)
     shape = dataclasses.replace(SHAPE, kv_dtype=dtype)
-    pol = get_policy("specontext", CFG, shape, device)
+    pol = get_policy("specontext", cfg, shape, device)
     pol.attach(rt)
     dec = Decoder(shape, pol, prefetch=prefetch, impl=impl,
                   pool_layers=lambda layer: (pool.k[layer], pool.v[layer]))
@@ -313,6 +313,30 @@ def test_staged_rows_equal_the_in_place_kernel_and_short_rows_stay_exact():
     for rid in rids:
         dec.release(rid)
     assert dec.live_states == 0 and len(pol.slots) == 0
+
+
+@pytest.mark.parametrize("prefetch", ["inline", "thread"])
+def test_dense_layers_attend_the_whole_history_and_the_rest_their_selection(prefetch):
+    """--spec-dense-layers 1: layer 0 of every row is exact attention over the pool, the
+    other layer is the staged selection, as without the flag."""
+    cfg = dataclasses.replace(CFG, dense_layers=1)
+    dec, pool, rids, rows, outs = _serve(prefetch, cfg=cfg, seed=5)
+    _, _, _, _, plain = _serve(prefetch, seed=5)
+    for step, base in zip(outs, plain):
+        (q0, out0, plan), (q1, out1, _) = step
+        ref = sparse_decode_reference(q0, pool.k[0], pool.v[0], plan.dense,
+                                      scale=SHAPE.sm_scale)
+        torch.testing.assert_close(out0, ref, rtol=1e-4, atol=1e-5)
+        assert torch.equal(out1, base[1][1])  # the sparse layer as without the flag
+    assert plan.dense.dense and plan.staged is not None
+
+
+def test_dense_layers_are_checked():
+    with pytest.raises(ValueError, match="--spec-dense-layers is read only with a sparse"):
+        DecodeConfig(mode="exact", dense_layers=1)
+    pol = get_policy("specontext", dataclasses.replace(CFG, dense_layers=2), SHAPE)
+    with pytest.raises(ValueError, match="valid: 0-1 for this model's 2 layers"):
+        Decoder(SHAPE, pol)
 
 
 def test_thread_prefetch_gives_the_inline_result():

@@ -114,6 +114,7 @@ class DecodePlan(NamedTuple):
     # + the rows' key slots: [R, N], or a slice of the pool for one row on contiguous slots
     reselect: tuple[Group, ReselectBatch, torch.Tensor | slice] | None = None
     staged: Staged | None = None
+    dense: DecodeSubsets | None = None  # every row's whole history: --spec-dense-layers
 
 
 class Decoder:
@@ -139,6 +140,12 @@ class Decoder:
         self.stale_after = stale_after
         self.stats = DecodeStats()
         self.pool_layers = pool_layers
+        # layers under this attend densely whatever the policy selects (--spec-dense-layers)
+        self.dense_layers = policy.cfg.dense_layers if policy is not None else 0
+        if self.dense_layers >= shape.num_layers:
+            raise ValueError(f"--spec-dense-layers {self.dense_layers} leaves no sparse "
+                             f"layer; valid: 0-{shape.num_layers - 1} for this model's "
+                             f"{shape.num_layers} layers")
         self.prefetcher = None
         if policy is not None and policy.stages_kv:
             self.prefetcher = get_prefetcher(prefetch, policy.slots.device)
@@ -208,7 +215,7 @@ class Decoder:
         slots = [self.policy.states[rid].slot if rid in self.policy.states else -1
                  for rid in batch.rids]
         group = lambda rows: Group(_ints(rows, dev), _ints([slots[b] for b in rows], dev))  # noqa: E731
-        plan = DecodePlan(dense)
+        plan = DecodePlan(dense, dense=dense if self.dense_layers else None)
         if sparse:
             plan = plan._replace(subsets=self._sparse_subsets(batch, steps),
                                  sparse=group(sparse))
@@ -296,6 +303,11 @@ class Decoder:
         where staged rows and others share the pass)."""
         if self.impl is None:
             self.impl = default_impl(q, k_buf, v_buf)
+        if layer < self.dense_layers and plan.dense is not None:
+            # The whole history. This layer's staging rows are never read: the inline
+            # prefetcher skips their loads, the thread and stream ones copy them unread.
+            return sparse_decode(q, k_buf, v_buf, plan.dense, scale=scale, impl=self.impl,
+                                 out=out, check=layer == 0)
         # The pass's first run checks the subsets against the pool; the others reuse them.
         check = plan is not self._checked
         self._checked = plan
