@@ -94,9 +94,9 @@ def reference(rows_per_layer) -> tuple[torch.Tensor, torch.Tensor]:
     return dist, ir
 
 
-@pytest.mark.parametrize("cfg", [ObserveConfig(prefill_rows=4, decode_every=16, worker=True),
-                                 ObserveConfig(prefill_rows=4, decode_every=16, worker=False),
-                                 ObserveConfig(prefill_rows=4, decode_every=16, worker=True,
+@pytest.mark.parametrize("cfg", [ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1, worker=True),
+                                 ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1, worker=False),
+                                 ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1, worker=True,
                                                max_queued_bytes=0)],
                          ids=["worker", "inline", "over-the-bound"])
 def test_observed_statistics_equal_the_rows_computed_from_scratch(cfg):
@@ -120,7 +120,7 @@ def test_on_cuda_rows_are_computed_on_the_gpu_and_folded_by_the_worker():
     """As served beside a GPU model: the rows come from CUDA tensors, the prefill folds
     go to the worker thread (the default there), and the statistics are the same."""
     pool = Pool(device="cuda")
-    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16), device="cuda")
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1), device="cuda")
     assert obs.folder is not None
     expect = play(obs, pool)
     for rid in ("a", "b"):
@@ -130,9 +130,25 @@ def test_on_cuda_rows_are_computed_on_the_gpu_and_folded_by_the_worker():
     assert obs.folder.seconds > 0 and obs.folder.queued_bytes == 0
 
 
+def test_an_extend_observes_one_row_per_tokens_per_row_new_tokens():
+    """A short follow-up over a long history observes one row; a long prefill its 8."""
+    obs = KrulObserver(L, ObserveConfig(worker=False))
+    r2t = torch.arange(5000).int()[None]
+
+    def rows_of(history, new):
+        b = BatchView("extend", rids=("a",), extend_lens=(new,), seq_lens=(history + new,),
+                      pool_rows=(0,), req_to_token=r2t, rows=torch.tensor([0]),
+                      seq_lens_t=torch.tensor([history + new]))
+        return len(obs.plan(b).items[0].q_pos)
+
+    assert rows_of(4096, 30) == 1 and rows_of(0, 600) == 4 and rows_of(0, 4096) == 8
+    with pytest.raises(ValueError, match="must be positive"):
+        ObserveConfig(tokens_per_row=0)
+
+
 def test_state_is_seeded_shared_and_freed():
     pool = Pool()
-    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16, worker=False))
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1, worker=False))
     earlier = Similarity(L)
     earlier.gram += 1.0
     earlier.rows += 7
@@ -161,7 +177,7 @@ def test_the_same_rows_with_the_core_in_the_middle():
     pool = Pool()
     shape = AttnShape(num_layers=L, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D,
                       kv_dtype=torch.float32)
-    cfg = ObserveConfig(prefill_rows=4, decode_every=16, worker=False)
+    cfg = ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1, worker=False)
     obs = KrulObserver(L, cfg)
     core = AttentionCore(Decoder(shape, None), observer=obs)
     direct = KrulObserver(L, cfg)
@@ -230,7 +246,7 @@ def test_folds_run_in_line_on_a_cpu_host_and_on_a_worker_beside_a_gpu():
 def test_a_one_token_extend_counts_as_a_decode_step():
     """A mixed batch's decode rows arrive as one-token extends: every decode_every-th only."""
     pool = Pool()
-    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16))
+    obs = KrulObserver(L, ObserveConfig(prefill_rows=4, decode_every=16, tokens_per_row=1))
     kw = dict(pool_rows=(0, 1), req_to_token=pool.req_to_token, rows=torch.tensor([0, 1]))
     plan = obs.plan(BatchView("extend", rids=("a", "b"), seq_lens=(33, 48), extend_lens=(1, 1),
                               seq_lens_t=torch.tensor([33, 48]), **kw))

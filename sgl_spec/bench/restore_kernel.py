@@ -106,13 +106,15 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--codecs: {e}")
     if min([args.tokens, args.layers, args.repeats, *args.threads]) < 1:
         ap.error("--tokens, --layers, --repeats and --threads must be >= 1")
+    meta, watch = cli.start_meta("none (the default model's KV shape, random values)")
     points = []
     for threads in args.threads:
         cli.set_threads(threads)
         for codec in args.codecs:
             points.append(run(codec, args.tokens, args.layers, args.repeats))
             print(f"{codec}, {threads} threads: done", flush=True)
-    res = {"config": {"tokens": args.tokens, "layers": args.layers, "repeats": args.repeats},
+    res = {"meta": cli.finish_meta(meta, watch),
+           "config": {"tokens": args.tokens, "layers": args.layers, "repeats": args.repeats},
            "points": points}
     md = markdown(res)
     cli.write_results(args.out, res, md)
