@@ -38,12 +38,10 @@ for p in src.rglob("*"):
     rel = p.relative_to(src)
     parts = rel.parts
     if parts[:2] == ("flashinfer", "data"):
-        sub = parts[2] if len(parts) > 3 else ""
-        keep = (sub in ("include", "spdlog", "cccl", "cutlass")
-                or (sub == "" and len(parts) == 4 and parts[2] == "csrc"
-                    and csrc.fullmatch(parts[3]) and not skip.search(parts[3])))
-        if len(parts) == 4 and parts[2] == "csrc":
+        if len(parts) == 4 and parts[2] == "csrc":  # csrc's top level: decode/prefill only
             keep = bool(csrc.fullmatch(parts[3])) and not skip.search(parts[3])
+        else:  # the header trees the JIT build includes
+            keep = len(parts) > 3 and parts[2] in ("include", "spdlog", "cccl", "cutlass")
     else:
         keep = p.suffix == ".py" or parts[0].endswith(".dist-info") or p.name == "py.typed"
     if keep:
