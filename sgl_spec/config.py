@@ -55,7 +55,8 @@ FLAGS: tuple[Flag, ...] = (
          "last --spec-nd decoded queries (LoopServe Sec 5.3); 'specontext' selects them "
          "before every step with a retrieval head, one selection for all layers, and "
          "loads only what changed (SpeContext). Sparse modes run on CPU; on CUDA hosts "
-         "decode stays exact.", MODES),
+         "decode stays exact, except specontext (its decoder ran on an H200 in tests; "
+         "serving on a GPU is not verified).", MODES),
     Flag("--spec-budget", "decode", "budget", "int",
          "Sparse modes: history positions selected per KV head and layer (B).", lo=1),
     Flag("--spec-sink", "decode", "sink", "int",
