@@ -36,6 +36,8 @@ since stock sglang decodes through FlashInfer there, which this bench does not l
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from sgl_spec.bench import cli, render
@@ -181,11 +183,7 @@ def _run_layers(runner, q, ks, vs, sub: DecodeSubsets, out) -> torch.Tensor:
 
 
 def _has_flashinfer() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,

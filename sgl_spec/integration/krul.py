@@ -108,19 +108,12 @@ class KrulHostPool(MHATokenToKVPoolHost):
                                  io_backend, *, is_draft: bool = False):
         if not is_draft and not 0 <= layer_id < self.target_layer_num:
             return
-        # Rows the restore's pre-pass recomputed are unstored and left as it wrote them.
+        # Decoded into the pool's rows (one pass on a CPU pool); rows the restore's
+        # pre-pass recomputed are unstored and left as it wrote them.
         k_buf, v_buf = self.device_k_buffers[layer_id], self.device_v_buffers[layer_id]
-        dev = device_indices.to(k_buf.device)
-        if k_buf.device.type == "cpu":  # decoded straight into the pool's rows
-            with self.lock:
-                self.arena.read_into(layer_id, host_indices, k_buf, v_buf, dev)
-            return
         with self.lock:
-            k, v, stored = self.arena.read(layer_id, host_indices)
-        if not bool(stored.all()):
-            dev, k, v = dev[stored.to(dev.device)], k[stored], v[stored]
-        k_buf[dev] = k.to(k_buf.device)
-        v_buf[dev] = v.to(v_buf.device)
+            self.arena.read_into(layer_id, host_indices, k_buf, v_buf,
+                                 device_indices.to(k_buf.device))
 
     @synchronized
     def compress(self, slots: torch.Tensor, strategy: Strategy, unstored: list[int],
