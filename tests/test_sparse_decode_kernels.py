@@ -28,8 +28,10 @@ if not CUDA:
 from sgl_spec.kernels.sparse_decode import (  # noqa: E402
     IMPLS,
     DecodeSubsets,
+    copy_rows,
     default_impl,
     dense_subsets,
+    head_logits,
     sparse_decode,
 )
 from sgl_spec.kernels.sparse_decode import cpu_impl  # noqa: E402
@@ -37,7 +39,11 @@ from sgl_spec.kernels.sparse_decode.flashinfer_impl import (  # noqa: E402
     build_pages,
     fill_selected,
 )
-from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference  # noqa: E402
+from sgl_spec.kernels.sparse_decode.reference import (  # noqa: E402
+    copy_rows_reference,
+    head_logits_reference,
+    sparse_decode_reference,
+)
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 
@@ -359,6 +365,58 @@ def test_cpu_kernel_rejects_bad_inputs():
         mod.decode(batch.q.contiguous(), batch.k_buf, batch.v_buf, *args, sub.seq_lens, 4)
     with pytest.raises(RuntimeError, match="contiguous fp32"):
         mod.decode(batch.q.double(), batch.k_buf, batch.v_buf, *args, sub.recent_start, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("d,group", [(64, 3), (32, 1), (128, 8), (64, 7)])
+def test_head_logits_kernel_matches_reference(dtype, d, group):
+    """The retrieval head's logits read in place from the pool equal a float64 gather,
+    for ragged rows (padded with -inf to N, chunk edges crossed), every instantiated
+    head size and fp32/bf16/fp16 keys."""
+    g = torch.Generator().manual_seed(d + group)
+    hkv, slots = 2, 3000
+    keys = torch.randn(slots, hkv, d, generator=g).to(dtype)
+    r2t = torch.randperm(slots, generator=g)[:2 * 1400].view(2, 1400).int()
+    rows, n_keys, n = torch.tensor([1, 0, 1]), torch.tensor([1300, 1, 257]), 1320
+    q = torch.randn(3, hkv * group, d, generator=g)
+    got = head_logits(q, keys, r2t, rows, n_keys, n)
+    assert got is not None and got.shape == (3, hkv, group, n)
+    ref = head_logits_reference(q, keys, r2t, rows, n_keys, n)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got)) and bool((got[~fin] == float("-inf")).all())
+    assert torch.allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-4)
+
+
+def test_head_logits_kernel_declines_or_rejects():
+    """Shapes the kernel is not built for fall back (None); bad calls are refused."""
+    r2t = torch.arange(8, dtype=torch.int32)[None]
+    one = torch.tensor([0])
+    assert head_logits(torch.zeros(1, 9, 64), torch.zeros(8, 1, 64), r2t, one,
+                       torch.tensor([4]), 4) is None  # 9 query heads per KV head
+    mod = cpu_impl.load_kernel()
+    with pytest.raises(RuntimeError, match="n_keys <= N"):
+        mod.head_scores(torch.zeros(1, 2, 64), torch.zeros(8, 1, 64), r2t, one,
+                        torch.tensor([6]), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_copy_rows_kernel_matches_reference(dtype):
+    """Elastic loads: the one-call C++ copy of K and V rows equals index_select +
+    index_copy_, and leaves the other rows untouched; out-of-range rows are refused."""
+    g = torch.Generator().manual_seed(0)
+    pool_k, pool_v = (torch.randn(500, 3, 64, generator=g).to(dtype) for _ in range(2))
+    stage = [torch.randn(40, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    want = [t.clone() for t in stage]
+    dst = torch.randperm(120, generator=g)[:50]
+    src = torch.randint(0, 1500, (50,), generator=g)
+    copy_rows(*stage, pool_k, pool_v, dst, src)
+    copy_rows_reference(*want, pool_k, pool_v, dst, src)
+    assert torch.equal(stage[0], want[0]) and torch.equal(stage[1], want[1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        copy_rows(*stage, pool_k, pool_v, torch.tensor([120]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        copy_rows(*stage, pool_k, pool_v, torch.tensor([0]), torch.tensor([1500]))
 
 
 # ---------------------------------------------------------------- triton

@@ -125,6 +125,7 @@ def test_elastic_buffer_equals_a_fresh_gather_of_the_attended_set():
     cap = 3
     staged = torch.full((cap, hkv, s), -1, dtype=torch.int64)
     stage = torch.full((cap * s, hkv, d), float("nan"))
+    pool_v, stage_v = -pool_k, stage.clone()  # copied by the same call as K
     slots, rows = torch.tensor([2, 0]), torch.tensor([1, 0])
     seq = torch.tensor([60, 90])
     loaded = []
@@ -147,8 +148,8 @@ def test_elastic_buffer_equals_a_fresh_gather_of_the_attended_set():
             rows_sel.append(heads)
         sel = torch.tensor(rows_sel)
         ep = el.plan(staged, slots, sel, seq, r2t, rows, torch.tensor([0, 1]))
-        ep.ahead.copy(stage, pool_k)
-        ep.current.copy(stage, pool_k)
+        ep.ahead.copy(stage, stage_v, pool_k, pool_v)
+        ep.current.copy(stage, stage_v, pool_k, pool_v)
         loaded.append(ep.loaded)
         for b in range(2):
             for h in range(hkv):
@@ -158,6 +159,7 @@ def test_elastic_buffer_equals_a_fresh_gather_of_the_attended_set():
                 rows_k = stage.view(cap, s, hkv, d)[slots[b], :, h]
                 fresh = pool_k[r2t[rows[b], got_pos].long(), h]
                 assert torch.equal(rows_k, fresh)
+                assert torch.equal(stage_v.view(cap, s, hkv, d)[slots[b], :, h], -fresh)
     assert loaded[0] == 2 * hkv * s  # the first step gathers everything
     # then the difference only: per row and head the swapped position, the new token
     # and the window's oldest position (if the selection does not hold it)

@@ -18,6 +18,13 @@ forward pass) from the paged pool and dispatches to one implementation:
 ``impl=None`` picks ``cpu`` where the C++ kernel takes the call, else ``torch``.
 ``reference.sparse_decode_reference`` is the slow per-head oracle the tests compare
 every implementation with. Implementations are imported on first use.
+
+``copy_rows(stage_k, stage_v, pool_k, pool_v, dst, src)`` moves SpeContext's elastic
+loads of one layer (K and V rows, pool -> staging) in one C++ call on CPU
+(``reference.copy_rows_reference`` elsewhere, and as the tests' oracle).
+``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
+keys in the pool with its queries, reading them in place (SpeContext's selection;
+``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ _IMPLS = {
 }
 IMPLS = tuple(_IMPLS)
 
-__all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "default_impl", "dense_subsets",
-           "sparse_decode", "subset_positions", "take_rows"]
+__all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "copy_rows", "default_impl",
+           "dense_subsets", "head_logits", "sparse_decode", "subset_positions", "take_rows"]
 
 # Every implementation is ``fn(q, k_buf, v_buf, subsets, dims, *, scale, out)``: inputs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.
@@ -84,6 +91,38 @@ def sparse_decode(
     if dims.batch == 0:
         return out
     return fn(q, k_buf, v_buf, subsets, dims, scale=scale, out=out)
+
+
+def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor,
+              pool_v: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V: the C++ kernel
+    for contiguous CPU buffers where it builds (indices checked), else the reference."""
+    from .cpu_impl import load_kernel
+    from .reference import copy_rows_reference
+
+    bufs = (stage_k, stage_v, pool_k, pool_v, dst, src)
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in bufs):
+        mod = load_kernel()
+        if mod is not None:
+            mod.copy_rows(*bufs)
+            return
+    copy_rows_reference(*bufs)
+
+
+def head_logits(q: torch.Tensor, keys: torch.Tensor, req_to_token: torch.Tensor,
+                rows: torch.Tensor, n_keys: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``[R, Hkv, G, n]`` fp32 logits ``q . k`` of each row's keys (positions
+    ``[0, n_keys)`` through ``req_to_token``, ``-inf`` after) by the C++ kernel, read in
+    place from the pool; None where it cannot take the call (the caller gathers)."""
+    from .cpu_impl import load_kernel
+
+    if q.device.type != "cpu" or keys.device.type != "cpu" or keys.stride(-1) != 1:
+        return None
+    mod = load_kernel()
+    if mod is None or not mod.supported(keys.dtype, q.shape[-1], q.shape[1] // keys.shape[1]):
+        return None
+    return mod.head_scores(q.float().contiguous(), keys, req_to_token.int(),
+                           rows.long().contiguous(), n_keys.long().contiguous(), n)
 
 
 _FNS: dict[str, object] = {}

@@ -52,3 +52,36 @@ def merge_splits_reference(
     w = torch.exp(lse - m.nan_to_num(neginf=0.0))  # [B, Hq, splits], 0 for empty splits
     den = w.sum(-1, keepdim=True)
     return (w[..., None] * part).sum(-2) / den.where(den > 0, 1.0)
+
+
+def copy_rows_reference(
+    stage_k: torch.Tensor,  # [..., D] staging K, written
+    stage_v: torch.Tensor,  # [..., D] staging V, written
+    pool_k: torch.Tensor,  # [..., D] pool K
+    pool_v: torch.Tensor,  # [..., D] pool V
+    dst: torch.Tensor,  # [M] int64 flat rows of the staging buffers
+    src: torch.Tensor,  # [M] int64 flat rows of the pool
+) -> None:
+    """Elastic loads: ``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V."""
+    for stage, pool in ((stage_k, pool_k), (stage_v, pool_v)):
+        d = pool.shape[-1]
+        stage.view(-1, d).index_copy_(0, dst, pool.reshape(-1, d).index_select(0, src))
+
+
+def head_logits_reference(
+    q: torch.Tensor,  # [R, Hq, D] (scaled)
+    keys: torch.Tensor,  # [slots, Hkv, D] the head's keys in the pool
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] int32
+    rows: torch.Tensor,  # [R] int64
+    n_keys: torch.Tensor,  # [R] int64 keys per row (positions [0, n_keys))
+    n: int,  # N >= max(n_keys)
+) -> torch.Tensor:  # [R, Hkv, G, N] fp32: q_g . k_j, -inf for j >= n_keys
+    r, hq, d = q.shape
+    hkv = keys.shape[1]
+    out = torch.full((r, hkv, hq // hkv, n), float("-inf"))
+    for i in range(r):
+        m = int(n_keys[i])
+        k = keys[req_to_token[int(rows[i]), :m].long()].double()  # [m, Hkv, D]
+        qg = q[i].double().view(hkv, hq // hkv, d)
+        out[i, :, :, :m] = torch.einsum("hgd,mhd->hgm", qg, k).float()
+    return out

@@ -268,7 +268,8 @@ class Decoder:
                sub: DecodeSubsets) -> Staged:
         """Plan the elastic loads of the sparse rows and start their prefetch."""
         ep = self.policy.stage(batch, sparse, sel)
-        self.prefetcher.start(ep.ahead, self.shape.num_layers,
+        loads = ep.ahead.join(ep.current) if self.prefetcher.copies_current else ep.ahead
+        self.prefetcher.start(loads, self.shape.num_layers,
                               self._layer_buffers if self.prefetcher.needs_buffers else None)
         rest = None
         if len(sparse) < batch.size:
@@ -338,8 +339,8 @@ class Decoder:
         ep = st.elastic
         sk, sv = self.policy.stage_buffers(layer)
         self.prefetcher.wait(layer, (sk, sv, k_buf, v_buf))
-        ep.current.copy(sk, k_buf)
-        ep.current.copy(sv, v_buf)
+        if not self.prefetcher.copies_current:
+            ep.current.copy(sk, sv, k_buf, v_buf)
         if st.rest is None:  # every row staged
             return sparse_decode(q, sk, sv, ep.subsets, scale=scale, impl=self.impl, out=out,
                                  check=check)

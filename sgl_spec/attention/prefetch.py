@@ -34,9 +34,7 @@ PREFETCHERS = ("auto", "inline", "thread", "stream")
 
 
 def copy_layer(loads: Loads, bufs: tuple[torch.Tensor, ...]) -> None:
-    sk, sv, pk, pv = bufs
-    loads.copy(sk, pk)
-    loads.copy(sv, pv)
+    loads.copy(*bufs)  # (staging K, staging V, pool K, pool V)
 
 
 class Prefetcher(ABC):
@@ -44,6 +42,9 @@ class Prefetcher(ABC):
 
     # Whether start() needs every layer's buffers up front (else wait() gets the layer's).
     needs_buffers: ClassVar[bool] = True
+    # Whether start() takes the decoded token's own row too (``ElasticPass.current``):
+    # only a prefetcher that copies once the layer has written it (at wait) can.
+    copies_current: ClassVar[bool] = False
 
     @abstractmethod
     def start(self, loads: Loads, layers: int, buffers: LayerBuffers | None) -> None:
@@ -58,6 +59,7 @@ class Prefetcher(ABC):
 class InlinePrefetcher(Prefetcher):
     name = "inline"
     needs_buffers = False
+    copies_current = True  # one copy call per layer: the loads ahead and the token's row
 
     def __init__(self):
         self._loads: Loads | None = None

@@ -155,6 +155,12 @@ class RetrievalHead:
         if int(k_len.min()) < n:
             pad = torch.arange(n, device=k.device)[None, :] >= k_len.to(k.device)[:, None]
             logits.masked_fill_(pad[:, None, None, :], float("-inf"))
+        return self.group_max(logits)
+
+    @staticmethod
+    def group_max(logits: torch.Tensor) -> torch.Tensor:
+        """``[R, Hkv, G, N]`` scaled logits -> ``[R, Hkv, N]``: each query head's softmax
+        over the keys, then the max over the KV head's group (Sec 4.3)."""
         return torch.softmax(logits, dim=-1).amax(dim=2)
 
     # ------------------------------------------------------------ offline

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_spec.attention.batch import BatchView
+from sgl_spec.kernels.sparse_decode import head_logits
 from sgl_spec.sparse.scoring import select_topk
 
 from .model import RetrievalHead
@@ -135,9 +136,15 @@ class HeadRuntime:
                               self._qh.index_select(0, rows), self.store.embed)
         keys_buf, _ = self.store.buffers()
         n = int(hist.max())
-        pos = torch.arange(n, device=dev)[None, :].minimum(hist[:, None] - 1)
-        slots = batch.req_to_token[rows[:, None], pos].long()  # [R, n]
-        k = keys_buf.index_select(0, slots.view(-1)).view(len(idx), n, *keys_buf.shape[1:])
-        scores = self.head.scores(q, k, hist)
+        # CPU: the keys are scored in place by the C++ kernel (a tiny-M bmm over gathered
+        # keys cost ~1.8 ms of a 7k history's step here, the kernel ~0.2 ms).
+        logits = head_logits(q * self.head.scale, keys_buf, batch.req_to_token, rows, hist, n)
+        if logits is not None:
+            scores = self.head.group_max(logits)
+        else:
+            pos = torch.arange(n, device=dev)[None, :].minimum(hist[:, None] - 1)
+            slots = batch.req_to_token[rows[:, None], pos].long()  # [R, n]
+            k = keys_buf.index_select(0, slots.view(-1)).view(len(idx), n, *keys_buf.shape[1:])
+            scores = self.head.scores(q, k, hist)
         lo = torch.full_like(seq, sink)
         return select_topk(scores, budget, lo.minimum(seq), seq - window)

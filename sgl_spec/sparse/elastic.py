@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets
+from sgl_spec.kernels.sparse_decode import DecodeSubsets, copy_rows, dense_subsets
 
 
 class Loads(NamedTuple):
@@ -41,11 +41,15 @@ class Loads(NamedTuple):
     def size(self) -> int:
         return int(self.dst.shape[0])
 
-    def copy(self, stage: torch.Tensor, pool: torch.Tensor) -> None:
-        """stage [cap * S, Hkv, D] <- pool [num_slots, Hkv, D] (both contiguous)."""
+    def copy(self, stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor,
+             pool_v: torch.Tensor) -> None:
+        """staging [cap * S, Hkv, D] <- pool [num_slots, Hkv, D], K and V (contiguous)."""
         if self.size:
-            d = pool.shape[-1]
-            stage.view(-1, d).index_copy_(0, self.dst, pool.view(-1, d).index_select(0, self.src))
+            copy_rows(stage_k, stage_v, pool_k, pool_v, self.dst, self.src)
+
+    def join(self, other: Loads) -> Loads:
+        """Both passes' copies in one (for a prefetcher that copies them at once)."""
+        return Loads(torch.cat([self.dst, other.dst]), torch.cat([self.src, other.src]))
 
 
 class ElasticPass(NamedTuple):

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "vec16.h"
@@ -74,6 +75,26 @@ inline void prefetch_row(const void* base, int64_t off) {
   for (int b = 0; b < BYTES; b += 64) __builtin_prefetch(p + b);
 }
 
+// Scores of the W keys at element offsets krow[0..W) for the G query heads qv:
+// s[g * stride + jj] = q_g . k_jj. Prefetches the next W rows (krow[W..2W) must exist).
+template <int D, int G, int KIND>
+inline void score_block(const vf (&qv)[G][D / W], const void* k, const int64_t* krow, float* s,
+                        int64_t stride) {
+  constexpr int U = D / W;
+  vf acc[G][W];
+  for (int jj = 0; jj < W; ++jj) prefetch_row<D, KIND>(k, krow[W + jj]);
+  for (int jj = 0; jj < W; ++jj) {
+    vf kr[U];
+    for (int u = 0; u < U; ++u) kr[u] = ld_kv<KIND>(k, krow[jj] + u * W);
+    for (int g = 0; g < G; ++g) {
+      vf a = qv[g][0] * kr[0];
+      for (int u = 1; u < U; ++u) a += qv[g][u] * kr[u];
+      acc[g][jj] = a;
+    }
+  }
+  for (int g = 0; g < G; ++g) st(s + g * stride, reduce_lanes(acc[g]));
+}
+
 template <int D, int G, int KIND>
 void run(const float* q, const Pools& kv, const Subsets& ix, int64_t B, int64_t nc, float* out) {
   constexpr int U = D / W;
@@ -118,20 +139,8 @@ void run(const float* q, const Pools& kv, const Subsets& ix, int64_t B, int64_t 
       const float* qb = q + (b * hkv + h) * G * D;
       for (int g = 0; g < G; ++g)
         for (int u = 0; u < U; ++u) qv[g][u] = ld(qb + g * D + u * W);
-      for (int64_t t0 = 0; t0 < mp; t0 += W) {  // scores of W keys for the G heads
-        vf acc[G][W];
-        for (int jj = 0; jj < W; ++jj) prefetch_row<D, KIND>(kv.k, krow[t0 + W + jj]);
-        for (int jj = 0; jj < W; ++jj) {
-          vf kr[U];
-          for (int u = 0; u < U; ++u) kr[u] = ld_kv<KIND>(kv.k, krow[t0 + jj] + u * W);
-          for (int g = 0; g < G; ++g) {
-            vf a = qv[g][0] * kr[0];
-            for (int u = 1; u < U; ++u) a += qv[g][u] * kr[u];
-            acc[g][jj] = a;
-          }
-        }
-        for (int g = 0; g < G; ++g) st(s.data() + g * CHUNK + t0, reduce_lanes(acc[g]));
-      }
+      for (int64_t t0 = 0; t0 < mp; t0 += W)  // scores of W keys for the G heads
+        score_block<D, G, KIND>(qv, kv.k, krow.data() + t0, s.data() + t0, CHUNK);
       for (int g = 0; g < G; ++g) {
         float* sg = s.data() + g * CHUNK;
         for (int64_t j = m; j < mp; ++j) sg[j] = NEG_INF;
@@ -181,6 +190,75 @@ void run(const float* q, const Pools& kv, const Subsets& ix, int64_t B, int64_t 
 }
 
 using RunFn = void (*)(const float*, const Pools&, const Subsets&, int64_t, int64_t, float*);
+
+// The retrieval head's logits (SpeContext): for row r, KV head h and query head g of its
+// group, out[r, h, g, j] = q[r, h * G + g] . keys[slot(r, j), h] for positions j < n_r,
+// -inf for n_r <= j < N. Work items are (r, h, chunk of CHUNK positions).
+template <int D, int G, int KIND>
+void scores(const float* q, const void* keys, int64_t ks0, int64_t ks1, const int32_t* r2t,
+            int64_t r2t_stride, const int64_t* rows, const int64_t* n_keys, int64_t R,
+            int64_t hkv, int64_t N, float* out) {
+  const int64_t nc = (N + CHUNK - 1) / CHUNK, items = R * hkv * nc;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> krow(CHUNK + 2 * W);
+    std::vector<float> s(G * (CHUNK + W));
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t c = it % nc, rh = it / nc, h = rh % hkv, r = rh / hkv;
+      const int64_t j0 = c * CHUNK, n = n_keys[r];
+      const int64_t m = std::max<int64_t>(0, std::min(n, j0 + CHUNK) - j0);
+      const int64_t width = std::min(N, j0 + CHUNK) - j0;
+      float* o = out + (rh * G) * N + j0;  // out[r, h, 0, j0]
+      for (int g = 0; g < G; ++g)
+        for (int64_t j = m; j < width; ++j) o[g * N + j] = NEG_INF;
+      if (m == 0) continue;
+      const int32_t* map = r2t + rows[r] * r2t_stride;
+      for (int64_t j = 0; j < m; ++j) krow[j] = map[j0 + j] * ks0 + h * ks1;
+      const int64_t mp = (m + W - 1) / W * W;
+      for (int64_t j = m; j < mp + W; ++j) krow[j] = krow[m - 1];
+      vf qv[G][D / W];
+      const float* qb = q + rh * G * D;
+      for (int g = 0; g < G; ++g)
+        for (int u = 0; u < D / W; ++u) qv[g][u] = ld(qb + g * D + u * W);
+      for (int64_t t0 = 0; t0 < mp; t0 += W)
+        score_block<D, G, KIND>(qv, keys, krow.data() + t0, s.data() + t0, CHUNK + W);
+      for (int g = 0; g < G; ++g)
+        std::memcpy(o + g * N, s.data() + g * (CHUNK + W), m * sizeof(float));
+    }
+  });
+}
+
+using ScoresFn = void (*)(const float*, const void*, int64_t, int64_t, const int32_t*, int64_t,
+                          const int64_t*, const int64_t*, int64_t, int64_t, int64_t, float*);
+
+template <int D, int KIND>
+ScoresFn pick_scores_g(int64_t g) {
+  switch (g) {
+#define SGL_SPEC_G(N) case N: return scores<D, N, KIND>;
+    SGL_SPEC_G(1) SGL_SPEC_G(2) SGL_SPEC_G(3) SGL_SPEC_G(4)
+    SGL_SPEC_G(5) SGL_SPEC_G(6) SGL_SPEC_G(7) SGL_SPEC_G(8)
+#undef SGL_SPEC_G
+  }
+  return nullptr;
+}
+
+template <int KIND>
+ScoresFn pick_scores_d(int64_t d, int64_t g) {
+  switch (d) {
+    case 32: return pick_scores_g<32, KIND>(g);
+    case 64: return pick_scores_g<64, KIND>(g);
+    case 128: return pick_scores_g<128, KIND>(g);
+  }
+  return nullptr;
+}
+
+ScoresFn pick_scores(at::ScalarType t, int64_t d, int64_t g) {
+  switch (t) {
+    case at::kFloat: return pick_scores_d<F32>(d, g);
+    case at::kBFloat16: return pick_scores_d<BF16>(d, g);
+    case at::kHalf: return pick_scores_d<F16>(d, g);
+    default: return nullptr;
+  }
+}
 
 template <int D, int KIND>
 RunFn pick_g(int64_t g) {
@@ -268,7 +346,91 @@ at::Tensor decode(at::Tensor q, at::Tensor k_buf, at::Tensor v_buf, at::Tensor r
   return out;
 }
 
+// The retrieval head's logits over each row's history (see `scores` above). q [R, Hq, D]
+// fp32 (scaled, contiguous); keys [slots, Hkv, D] (fp32, bf16 or fp16, rows contiguous);
+// req_to_token [max_reqs, max_context] int32; rows, n_keys [R] int64 (n_keys <= N).
+// Returns [R, Hkv, G, N] fp32, -inf past each row's n_keys. Reference: the head's
+// torch path (sgl_spec.head.model.RetrievalHead.logits).
+at::Tensor head_scores(at::Tensor q, at::Tensor keys, at::Tensor req_to_token, at::Tensor rows,
+                       at::Tensor n_keys, int64_t N) {
+  for (const auto& t : {q, keys, req_to_token, rows, n_keys})
+    TORCH_CHECK(t.device().is_cpu(), "head_scores: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kFloat,
+              "head_scores: q must be a contiguous fp32 [R, Hq, D]");
+  TORCH_CHECK(keys.dim() == 3 && keys.stride(2) == 1, "head_scores: keys must be [slots, Hkv, D]"
+              " with contiguous rows");
+  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
+              "head_scores: req_to_token must be int32 with contiguous rows");
+  for (const auto& t : {rows, n_keys})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 &&
+                    t.size(0) == q.size(0),
+                "head_scores: rows and n_keys must be contiguous int64 [R]");
+  const int64_t R = q.size(0), hq = q.size(1), D = q.size(2), hkv = keys.size(1);
+  TORCH_CHECK(hq % hkv == 0 && keys.size(2) == D, "head_scores: q [R, Hq, D] does not fit keys");
+  const int64_t* nk = n_keys.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(nk[r] >= 0 && nk[r] <= N && nk[r] <= req_to_token.size(1) && rw[r] >= 0 &&
+                    rw[r] < req_to_token.size(0),
+                "head_scores: need 0 <= n_keys <= N and rows within req_to_token");
+  ScoresFn fn = pick_scores(keys.scalar_type(), D, hq / hkv);
+  TORCH_CHECK(fn != nullptr, "head_scores: head_dim in {32, 64, 128}, 1..8 query heads per KV "
+              "head and fp32/bf16/fp16 keys, got head_dim ", D, ", group ", hq / hkv, ", ",
+              keys.scalar_type());
+  auto out = at::empty({R, hkv, hq / hkv, N}, q.options());
+  if (N > 0)
+    fn(q.data_ptr<float>(), keys.data_ptr(), keys.stride(0), keys.stride(1),
+       req_to_token.data_ptr<int32_t>(), req_to_token.stride(0), rw, nk, R, hkv, N,
+       out.data_ptr<float>());
+  return out;
+}
+
+// SpeContext's elastic loads of one layer (sgl_spec.sparse.elastic): for i < M,
+// stage_k.row(dst[i]) = pool_k.row(src[i]) and the same for V, a row being the last dim
+// (flat rows: slot * Hkv + h). One call replaces four torch ops (an index_select and an
+// index_copy_ for K and for V), whose dispatch cost more than the ~100 KB they move.
+// Reference: reference.copy_rows_reference.
+void copy_rows(at::Tensor stage_k, at::Tensor stage_v, at::Tensor pool_k, at::Tensor pool_v,
+               at::Tensor dst, at::Tensor src) {
+  for (const auto& t : {stage_k, stage_v, pool_k, pool_v, dst, src})
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
+                "copy_rows: contiguous CPU tensors only");
+  const auto dt = stage_k.scalar_type();
+  const int64_t d = stage_k.size(-1);
+  for (const auto& t : {stage_v, pool_k, pool_v})
+    TORCH_CHECK(t.scalar_type() == dt && t.size(-1) == d,
+                "copy_rows: stage and pool buffers must share dtype and row size");
+  TORCH_CHECK(dst.scalar_type() == at::kLong && src.scalar_type() == at::kLong &&
+                  dst.dim() == 1 && dst.sizes() == src.sizes(),
+              "copy_rows: dst and src must be int64 vectors of one length");
+  const int64_t m = dst.size(0), bytes = d * stage_k.element_size();
+  const int64_t n_stage = stage_k.numel() / d, n_pool = pool_k.numel() / d;
+  TORCH_CHECK(stage_v.numel() / d == n_stage && pool_v.numel() / d == n_pool,
+              "copy_rows: K and V buffers must have the same rows");
+  const int64_t* di = dst.data_ptr<int64_t>();
+  const int64_t* si = src.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(di[i] >= 0 && di[i] < n_stage && si[i] >= 0 && si[i] < n_pool,
+                "copy_rows: row index out of range (dst ", di[i], " of ", n_stage, ", src ",
+                si[i], " of ", n_pool, ")");
+  auto* sk = static_cast<char*>(stage_k.data_ptr());
+  auto* sv = static_cast<char*>(stage_v.data_ptr());
+  const auto* pk = static_cast<const char*>(pool_k.data_ptr());
+  const auto* pv = static_cast<const char*>(pool_v.data_ptr());
+  at::parallel_for(0, m, 4096, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      std::memcpy(sk + di[i] * bytes, pk + si[i] * bytes, bytes);
+      std::memcpy(sv + di[i] * bytes, pv + si[i] * bytes, bytes);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode", &decode, "decode attention over KV subsets of a paged pool");
+  m.def("decode", &decode, "decode attention over KV subsets of a paged pool",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("head_scores", &head_scores, "the retrieval head's logits over paged keys",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("copy_rows", &copy_rows, "elastic loads: stage rows <- pool rows, K and V",
+        py::call_guard<py::gil_scoped_release>());
   m.def("supported", &supported, "whether (kv dtype, head_dim, group) is instantiated");
 }
