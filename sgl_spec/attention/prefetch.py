@@ -33,10 +33,6 @@ LayerBuffers = Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 PREFETCHERS = ("auto", "inline", "thread", "stream")
 
 
-def copy_layer(loads: Loads, bufs: tuple[torch.Tensor, ...]) -> None:
-    loads.copy(*bufs)  # (staging K, staging V, pool K, pool V)
-
-
 class Prefetcher(ABC):
     name: ClassVar[str]
 
@@ -68,7 +64,7 @@ class InlinePrefetcher(Prefetcher):
         self._loads = loads
 
     def wait(self, layer: int, bufs) -> None:
-        copy_layer(self._loads, bufs)
+        self._loads.copy(*bufs)
 
 
 class ThreadPrefetcher(Prefetcher):
@@ -88,7 +84,7 @@ class ThreadPrefetcher(Prefetcher):
         def run() -> None:
             try:
                 for layer in range(layers):
-                    copy_layer(loads, buffers(layer))
+                    loads.copy(*buffers(layer))
                     done[layer].set()
             finally:
                 for e in done:  # a failed copy must not hang the layers: they re-raise
@@ -116,7 +112,7 @@ class StreamPrefetcher(Prefetcher):
         self._events = []
         with torch.cuda.stream(self._stream):
             for layer in range(layers):
-                copy_layer(loads, buffers(layer))
+                loads.copy(*buffers(layer))
                 e = torch.cuda.Event()
                 e.record(self._stream)
                 self._events.append(e)

@@ -48,7 +48,8 @@ class Loads(NamedTuple):
             copy_rows(stage_k, stage_v, pool_k, pool_v, self.dst, self.src)
 
     def join(self, other: Loads) -> Loads:
-        """Both passes' copies in one (for a prefetcher that copies them at once)."""
+        """These copies and ``other``'s as one set (for a prefetcher that copies both at
+        once, after the layer has written its token)."""
         return Loads(torch.cat([self.dst, other.dst]), torch.cat([self.src, other.src]))
 
 
