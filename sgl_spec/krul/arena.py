@@ -349,7 +349,27 @@ class Arena:
 
     def checksum(self, slots: torch.Tensor) -> int:
         """xxh3_64 of what the slots store, in token and layer order (row numbers do
-        not enter it: the same content anywhere in the arena sums the same)."""
+        not enter it: the same content anywhere in the arena sums the same).
+
+        A restore verifies this before it loads, so it must cost little next to the
+        load: runs of consecutive rows (what ``alloc`` hands out) are hashed in place,
+        without the gather and copy a fragmented set needs (``checksum_ref``)."""
+        m = self.map[:, slots.cpu().long()].numpy()
+        bufs = self.store.byte_views()
+        h = xxhash.xxh3_64()
+        for layer in range(self.L):
+            ml = m[layer]
+            h.update(np.where(ml >= 0, 0, np.where(ml == UNSTORED, 1, 2)).astype(np.int8))
+            _hash_rows(h, bufs, ml[ml >= 0])
+            mer = ml <= -2
+            if mer.any():
+                _hash_rows(h, bufs, -2 - ml[mer])
+                mags = self.mag_of[layer, slots.cpu().long()].numpy()[mer]
+                h.update(self.mag.view(torch.uint8).numpy()[mags])
+        return h.intdigest()
+
+    def checksum_ref(self, slots: torch.Tensor) -> int:
+        """``checksum`` by gathering every row first (its reference in the tests)."""
         slots = slots.cpu().long()
         h = xxhash.xxh3_64()
         for layer in range(self.L):
@@ -364,6 +384,24 @@ class Arena:
                     h.update(t.view(torch.uint8).numpy().tobytes())
                 h.update(self.mag[self.mag_of[layer, slots][mer]].view(torch.uint8).numpy().tobytes())
         return h.intdigest()
+
+
+def _hash_rows(h, bufs: Sequence[np.ndarray], rows: np.ndarray) -> None:
+    """``h.update`` with each buffer's bytes of ``rows`` in order (buffer by buffer);
+    consecutive rows are read in place, a fragmented set through one gather."""
+    if rows.size == 0:
+        return
+    cut = np.flatnonzero(np.diff(rows) != 1) + 1
+    if cut.size > rows.size // 16:  # many short runs: one gather per buffer costs less
+        for b in bufs:
+            h.update(b[rows])
+        return
+    first = rows[np.concatenate(([0], cut))]
+    end = rows[np.concatenate((cut - 1, [rows.size - 1]))] + 1
+    runs = list(zip(first.tolist(), end.tolist()))
+    for b in bufs:
+        for lo, hi in runs:
+            h.update(b[lo:hi])
 
 
 def evict_for_bytes(available, evict, need: int, max_rounds: int = 64) -> int:

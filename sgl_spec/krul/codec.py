@@ -67,7 +67,7 @@ class RowStore(ABC):
         """What ``rows`` hold, as stored (checksums and storage pages read these bytes)."""
         return [b[rows] for b in self.buffers()]
 
-    def _bytes(self) -> list:
+    def byte_views(self) -> list[np.ndarray]:
         """Each buffer as a numpy uint8 [num_rows, bytes] view (storage pages are often one
         token: numpy's indexing costs a fraction of torch's per-op overhead there)."""
         if not hasattr(self, "_np"):
@@ -77,7 +77,7 @@ class RowStore(ABC):
     def row_bytes_of(self, rows: torch.Tensor) -> torch.Tensor:
         """What ``rows`` hold as one uint8 row each, [n, row_bytes] (each buffer in turn)."""
         idx = rows.numpy()
-        return torch.from_numpy(np.concatenate([b[idx] for b in self._bytes()], axis=1))
+        return torch.from_numpy(np.concatenate([b[idx] for b in self.byte_views()], axis=1))
 
     def put_row_bytes(self, rows: torch.Tensor, data: torch.Tensor) -> None:
         """Inverse of ``row_bytes_of``: ``data`` [n, row_bytes] into ``rows``."""
@@ -85,7 +85,7 @@ class RowStore(ABC):
         if tuple(data.shape) != (n, self.row_bytes):
             raise ValueError(f"{tuple(data.shape)} bytes for {n} rows of {self.row_bytes}")
         idx, src, at = rows.numpy(), data.numpy(), 0
-        for b in self._bytes():
+        for b in self.byte_views():
             b[idx] = src[:, at:at + b.shape[1]]
             at += b.shape[1]
 
