@@ -69,6 +69,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
+    Flag("--spec-decode-profile", "decode", "profile_path", "path",
+         "Sparse modes: this host's decode profile, written by 'python -m sgl_spec.calibrate "
+         "decode' with the same --spec-* decode flags. Histories shorter than the length "
+         "from which its sparse steps were faster than exact ones decode exactly (it "
+         "raises --spec-min-context to it), and every history does where the sparse mode "
+         "was faster at no measured length. Empty: --spec-min-context alone."),
     Flag("--spec-dense-layers", "decode", "dense_layers", "int",
          "Sparse modes: the first N layers attend the whole history, the others their "
          "selection. Layer 0's attention is the most spread out (at B=1024 a top-B set "
@@ -218,6 +224,7 @@ class DecodeConfig:
     draft_path: str = ""
     prefetch: str = "auto"
     dense_layers: int = 0
+    profile_path: str = ""
 
     def __post_init__(self):
         _check("decode", self)
@@ -231,6 +238,10 @@ class DecodeConfig:
                     raise ValueError(f"{flag} is read only with --spec-mode specontext "
                                      f"(got --spec-mode {self.mode}); valid: drop it, or "
                                      "--spec-mode specontext")
+        if self.mode == "exact" and self.profile_path:
+            raise ValueError("--spec-decode-profile is read only with a sparse --spec-mode "
+                             "(got exact); valid: drop it, or --spec-mode "
+                             f"{' / '.join(m for m in MODES if m != 'exact')}")
         if self.mode == "exact" and self.dense_layers:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "
@@ -374,11 +385,15 @@ def _default(cfg: SpecConfig, flag: Flag):
     return getattr(getattr(cfg, flag.section) if flag.section else cfg, flag.field)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``--spec-*`` flags (sglang-style help, defaults shown)."""
+def add_cli_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None
+                 ) -> None:
+    """Add the ``--spec-*`` flags (sglang-style help, defaults shown); ``sections``: only
+    those parts' flags (a tool that reads, say, the decode flags alone)."""
     group = parser.add_argument_group("sgl_spec options")
     defaults = SpecConfig()
     for flag in FLAGS:
+        if sections is not None and flag.section not in sections:
+            continue
         default = _default(defaults, flag)
         dest = f"{flag.section}__{flag.field}"
         if flag.kind == "bool":
@@ -402,8 +417,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def from_cli_args(args: argparse.Namespace) -> SpecConfig:
     """The config of parsed flags; raises ValueError naming a bad flag."""
     values: dict[str, dict] = {"": {}, **{name: {} for name in PARTS}}
+    defaults = SpecConfig()
     for flag in FLAGS:  # every value first, then the combinations (the parts' checks)
-        v = values[flag.section][flag.field] = getattr(args, f"{flag.section}__{flag.field}")
+        v = values[flag.section][flag.field] = getattr(
+            args, f"{flag.section}__{flag.field}", _default(defaults, flag))
         check_value(flag, v)
     return SpecConfig(**{name: part(**values[name]) for name, part in PARTS.items()},
                       **values[""])

@@ -114,6 +114,13 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
             load(cfg.krul.stats_path)
         except ValueError as exc:
             parser.error(f"--spec-krul-stats: {exc}")
+    if cfg.decode.profile_path:
+        from sgl_spec.attention.step_cost import read_profile
+
+        try:
+            read_profile(cfg.decode.profile_path)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--spec-decode-profile: {exc}")
     if cfg.krul.profile_path:
         from sgl_spec.krul.restore_cost import read_profile
 
@@ -173,24 +180,58 @@ def check_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
 def check_krul_profile(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
     """ValueError where ``--spec-krul-profile`` was measured for a model with another
     number of layers than the served one (read from its config.json, where local)."""
-    if not cfg.krul.profile_path:
+    layers = _model_layers(argv)
+    if not cfg.krul.profile_path or layers is None:
         return
-    import json
-
     from sgl_spec.krul.restore_cost import read_profile
 
-    model = _value(argv, "--model-path", "--model") or ""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            layers = json.load(f)["num_hidden_layers"]
-    except (OSError, ValueError, KeyError):
-        return
+    model = _value(argv, "--model-path", "--model")
     measured = read_profile(cfg.krul.profile_path)["shape"].get("num_layers")
     if measured != layers:
         raise ValueError(f"--spec-krul-profile {cfg.krul.profile_path!r} was measured for a "
                          f"model of {measured} layers; {model} has {layers}; valid: a "
                          "profile from python -m sgl_spec.calibrate restore --model-path "
                          f"{model}")
+
+
+def _model_layers(argv: list[str]) -> int | None:
+    """The served model's layer count from its config.json, where it is a local dir."""
+    import json
+
+    model = _value(argv, "--model-path", "--model") or ""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str]
+                        ) -> spec_config.SpecConfig:
+    """``cfg`` with ``min_context`` raised to where ``--spec-decode-profile`` found the
+    sparse mode faster than exact on this host; ValueError where the profile measured
+    other decode flags or another model."""
+    if cfg.disable or not cfg.decode.profile_path:
+        return cfg
+    import dataclasses
+
+    from sgl_spec.attention import step_cost
+
+    prof = step_cost.read_profile(cfg.decode.profile_path)
+    try:
+        n = step_cost.min_context(prof, cfg.decode, _model_layers(argv))
+    except ValueError as exc:
+        raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r}: {exc}") from None
+    d = cfg.decode
+    if n == step_cost.NEVER:  # exact mode, not a policy that never selects (nor a head)
+        logger.warning("--spec-decode-profile: on this host %s B=%d was faster than exact at "
+                       "no measured history (up to %d tokens): serving --spec-mode exact",
+                       d.mode, d.budget, max(prof["histories"]))
+        return dataclasses.replace(cfg, decode=spec_config.DecodeConfig())
+    logger.info("--spec-decode-profile: %s B=%d is faster than exact from %s tokens on "
+                "this host; histories under %d decode exactly", d.mode, d.budget,
+                prof["crossover"], n)
+    return dataclasses.replace(cfg, decode=dataclasses.replace(d, min_context=n))
 
 
 def with_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
@@ -257,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
     try:
         check_krul_profile(cfg, argv)
+        cfg = with_decode_profile(cfg, argv)
     except ValueError as exc:
         _spec_parser().error(str(exc))
     cfg = with_krul(with_head(cfg, argv), argv)

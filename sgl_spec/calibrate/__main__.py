@@ -11,6 +11,12 @@ measures what a restore costs on this hardware (``sgl_spec.krul.restore_cost``):
 prefill's seconds per token-layer, and each tier's seconds per loaded row; prints the
 recompute share that balances them for a ``--tokens``-long conversation and the
 restore time it predicts; the last line is the JSON profile.
+
+``python -m sgl_spec.calibrate decode --spec-mode MODE [--spec-* decode flags]`` times
+decode steps of sgl_spec's attention path, exact and the sparse mode, at a ladder of
+history lengths on this host (``sgl_spec.attention.step_cost``), prints both and the
+length from which the sparse step is faster; the last line is the JSON profile, which
+``--spec-decode-profile`` servers read (shorter histories decode exactly).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="python -m sgl_spec.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True, metavar="{strategy,restore}")
+    sub = ap.add_subparsers(dest="what", required=True, metavar="{strategy,restore,decode}")
     sp = sub.add_parser("strategy", help="Krul's attention statistics and layer pairs")
     sp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     sp.add_argument("--force", action="store_true", help="measure again over a saved file")
@@ -36,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--spec-krul-ratio", type=float, default=KrulConfig.ratio, metavar="FLOAT")
     rp = sub.add_parser("restore", help="Krul's restore costs: recompute vs load per tier")
     _restore_args(rp)
+    dp = sub.add_parser("decode", help="where a sparse decode mode is faster than exact")
+    _decode_args(dp)
     args = ap.parse_args(argv)
     if args.what == "restore":
         return _restore(ap, args)
+    if args.what == "decode":
+        return _decode(dp, args)
     try:
         kc = KrulConfig(gamma=args.spec_krul_gamma, ratio=args.spec_krul_ratio)
     except ValueError as exc:
@@ -121,6 +131,82 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
         print(f"{tier:5s}  {t['load_s'] * 1e6:11.4f}   {t['load_only_s']:11.3f}   "
               f"{t['share']:10.3f}   {t['split_s']:.3f}")
     out = args.out or f"restore-{os.path.basename(model.rstrip('/'))}-{prof['device']}.json"
+    with open(out, "w") as f:
+        json.dump(prof, f, indent=1)
+    print(os.path.abspath(out))
+    return 0
+
+
+def _decode_args(dp: argparse.ArgumentParser) -> None:
+    from sgl_spec.attention.step_cost import HISTORIES
+    from sgl_spec.config import add_cli_args
+
+    dp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    dp.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES), metavar="N",
+                    help=f"history lengths in tokens (default: {' '.join(map(str, HISTORIES))})")
+    dp.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="requests decoding together (default 1)")
+    dp.add_argument("--steps", type=int, default=32, metavar="N",
+                    help="timed decode steps per point (default 32: two LoopServe "
+                         "reselections at --spec-nd 16)")
+    dp.add_argument("--repeats", type=int, default=3, metavar="R",
+                    help="rounds, exact and sparse interleaved (median; default 3)")
+    dp.add_argument("--threads", type=int, default=0, metavar="T",
+                    help="torch threads (default: torch's, as the server's)")
+    dp.add_argument("--quick", action="store_true",
+                    help="histories 1536 and 3072, 4 steps, 1 round (tests)")
+    dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
+                                  "here)")
+    add_cli_args(dp, sections=("decode",))
+
+
+def _decode(dp: argparse.ArgumentParser, args) -> int:
+    import json
+    import os
+
+    from sgl_spec.config import from_cli_args
+
+    try:
+        cfg = from_cli_args(args).decode
+    except ValueError as exc:
+        dp.error(str(exc))
+    if cfg.mode == "exact":
+        dp.error("--spec-mode exact has nothing to calibrate; valid: "
+                 "streaming, snapkv, loopserve, specontext")
+    if args.quick:
+        args.histories, args.steps, args.repeats = [1536, 3072], 4, 1
+    if min(args.histories) < 1 or args.batch < 1 or args.steps < 1 or args.repeats < 1 \
+            or args.threads < 0:
+        dp.error("--histories, --batch, --steps and --repeats must be >= 1, --threads >= 0")
+    from sgl_spec.bench.cli import model_path
+
+    model = model_path(dp, args.model_path)
+    if cfg.retrieval_head and not cfg.draft_path:
+        import dataclasses
+
+        from sgl_spec.train_head import prepare
+
+        cfg = dataclasses.replace(cfg, draft_path=prepare(model))
+    from sgl_spec.attention import step_cost
+
+    try:
+        prof = step_cost.profile(model, cfg, tuple(sorted(set(args.histories))),
+                                 batch=args.batch, steps=args.steps, repeats=args.repeats,
+                                 threads=args.threads or None)
+    except ValueError as exc:
+        dp.error(str(exc))
+    print(f"{prof['hardware']} ({prof['cpus']} cpus, {prof['threads']} threads), "
+          f"{prof['shape']['num_layers']} layers, batch {prof['batch']}: "
+          f"{cfg.mode} B={cfg.budget} against exact, ms per decode step (attention and plan)")
+    print("history   exact ms   sparse ms   sparse/exact")
+    for h, e, sp in zip(prof["histories"], prof["exact_s"], prof["sparse_s"]):
+        print(f"{h:7d}   {e * 1e3:8.2f}   {sp * 1e3:9.2f}   {sp / e:12.2f}")
+    cross = prof["crossover"]
+    print(f"{cfg.mode} is faster than exact from {cross} tokens" if cross is not None else
+          f"{cfg.mode} was faster than exact at no measured history: a server given this "
+          "profile decodes exactly")
+    name = os.path.basename(model.rstrip("/"))
+    out = args.out or f"decode-{name}-{cfg.mode}-B{cfg.budget}.json"
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
     print(os.path.abspath(out))

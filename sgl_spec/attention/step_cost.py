@@ -1,0 +1,272 @@
+"""Where a sparse decode pays on this hardware: the calibration behind the exact fallback.
+
+A sparse step attends ~B of the history's rows but pays a plan first (a policy's step;
+LoopServe's reselection every ``--spec-nd`` steps; SpeContext's head and its elastic
+loads). Below some history length that costs more than the dense attention it saves,
+and where that length lies depends on the host: on this 2-core CPU a LoopServe step at
+a 7k history decoded at 0.77x of exact, a SpeContext one at 1.23x; on an H200 a sparse
+step beat FlashInfer's dense decode only at 32k x batch 8.
+
+``profile`` times decode steps of sgl_spec's attention path, exact and the sparse mode,
+as a server runs them (``AttentionCore``: the head's pass, the decoder's plan, one
+kernel call per layer, the head's captures at its aux layers) over a KV pool of the
+model's shape with scattered slots, at a ladder of history lengths, the two interleaved
+over ``repeats`` rounds. Each request's last prompt chunk runs through the core first
+(what SnapKV scores, what the head's state needs). The model's other work (projections,
+MLP) is the same in both, so only attention and planning are timed. Random weights and
+KV: the time does not depend on their values.
+
+``crossover`` is the shortest measured history from which the sparse step is faster at
+every longer measured history; a server given the profile (``--spec-decode-profile``)
+decodes histories under it exactly (``min_context``), and all of them exactly when the
+mode paid at no measured length.
+
+    python -m sgl_spec.calibrate decode --spec-mode specontext [--spec-budget 1024]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from sgl_spec.config import DecodeConfig
+from sgl_spec.sparse.policy import AttnShape
+
+from .batch import BatchView
+from .core import AttentionCore
+from .decode import Decoder
+
+HISTORIES = (1024, 2048, 4096, 8192, 16384)
+NEVER = sys.maxsize  # min_context of a mode that paid at no measured history
+_FORMAT = 1
+_LAST_CHUNK = 64  # prompt tokens run through the core before decoding (the rest fills)
+# Decode config fields the measured step depends on (a profile must match them).
+MATCH = ("mode", "budget", "sink", "window", "nd", "first_select_step", "dense_layers",
+         "prefetch")
+
+
+def model_shape(model_path: str, kv_dtype: torch.dtype) -> tuple[AttnShape, int, int]:
+    """(the attention shape, hidden size, vocab size) from the model's config.json."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        c = json.load(f)
+    heads = c["num_attention_heads"]
+    shape = AttnShape(num_layers=c["num_hidden_layers"], num_q_heads=heads,
+                      num_kv_heads=c.get("num_key_value_heads") or heads,
+                      head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                      kv_dtype=kv_dtype)
+    return shape, c["hidden_size"], c["vocab_size"]
+
+
+class _Bench:
+    """A pool holding ``batch`` requests of ``history`` tokens (plus room for the steps),
+    and the attention path of one decode config over it."""
+
+    def __init__(self, cfg: DecodeConfig, shape: AttnShape, hidden: int, vocab: int,
+                 batch: int, history: int, steps: int, head=None, seed: int = 0):
+        self.shape, self.hidden, self.vocab, self.batch = shape, hidden, vocab, batch
+        self.gen = torch.Generator().manual_seed(seed)
+        ctx = history + steps + 1
+        slots = batch * ctx + 1
+        kv = (slots, shape.num_kv_heads, shape.head_dim)
+        # one buffer per layer, as sglang's pool; random rows (the time does not depend
+        # on them); scattered slots, as a pool after some churn
+        self.k = [torch.randn(kv, generator=self.gen).to(shape.kv_dtype)
+                  for _ in range(shape.num_layers)]
+        self.v = [torch.randn(kv, generator=self.gen).to(shape.kv_dtype)
+                  for _ in range(shape.num_layers)]
+        order = torch.randperm(slots - 1, generator=self.gen) + 1
+        self.req_to_token = order[: batch * ctx].view(batch, ctx).to(torch.int32).contiguous()
+        self.rows = torch.arange(batch)
+        self.lens = [0] * batch
+        self.rids = tuple(f"calib-{i}" for i in range(batch))
+        self.head = None
+        policy = None
+        if cfg.mode != "exact":
+            from sgl_spec.sparse import get_policy
+
+            policy = get_policy(cfg.mode, dataclasses.replace(cfg, min_context=0), shape, "cpu")
+        if head is not None and cfg.retrieval_head:
+            from sgl_spec.head.runtime import HeadRuntime, HeadStore
+
+            hk = (slots, head.cfg.num_kv_heads, head.cfg.head_dim)
+            keys = torch.zeros(hk, dtype=shape.kv_dtype)
+            kh = torch.zeros(hk, dtype=shape.kv_dtype)
+            embed = None
+            if head.w.embed is None:
+                embed = torch.randn(vocab, head.cfg.hidden_size, generator=self.gen).to(
+                    shape.kv_dtype)
+            self.head = HeadRuntime(head, HeadStore(lambda: (keys, kh), embed), "cpu")
+            self.aux = head.cfg.resolve_aux_layers(shape.num_layers)
+            policy.attach(self.head)
+            self._extend(history - _LAST_CHUNK, head_only=True)  # the head's keys
+        else:
+            self.lens = [history - _LAST_CHUNK] * batch  # no head: the KV is all there is
+        decoder = Decoder(shape, policy, prefetch=cfg.prefetch,
+                          pool_layers=lambda layer: (self.k[layer], self.v[layer]))
+        self.core = AttentionCore(decoder, None, self.head)
+        self._extend(_LAST_CHUNK)  # the last prompt chunk through the whole path
+        self.q = torch.randn(batch, shape.num_q_heads, shape.head_dim,
+                             generator=self.gen).to(shape.kv_dtype)
+        self.out = torch.empty_like(self.q)
+
+    def _view(self, mode: str, n: int) -> BatchView:
+        """A pass adding ``n`` tokens to every request."""
+        seq = tuple(s + n for s in self.lens)
+        loc = torch.cat([self.req_to_token[i, s:s + n] for i, s in enumerate(self.lens)]).long()
+        ids = torch.randint(0, self.vocab, (self.batch * n,), generator=self.gen)
+        return BatchView(mode, self.rids, seq, tuple(range(self.batch)),
+                         (n,) * self.batch if mode == "extend" else (), True,
+                         self.req_to_token, self.rows, torch.tensor(seq), ids, loc)
+
+    def _capture(self, layer: int, tokens: int) -> None:
+        if self.head is not None and layer in self.aux:
+            hidden = torch.randn(tokens, self.hidden, generator=self.gen).to(self.shape.kv_dtype)
+            self.head.capture(self.aux.index(layer), hidden)
+
+    def _extend(self, n: int, head_only: bool = False) -> None:
+        view = self._view("extend", n)
+        if head_only:
+            self.head.begin_pass(view)
+            for layer in range(self.shape.num_layers):
+                self._capture(layer, self.batch * n)
+        else:
+            plan = self.core.plan(view)
+            q = torch.randn(self.batch * n, self.shape.num_q_heads, self.shape.head_dim,
+                            generator=self.gen).to(self.shape.kv_dtype)
+            out = torch.empty_like(q)
+            for layer in range(self.shape.num_layers):
+                self._capture(layer, self.batch * n)
+                self.core.run(plan, layer, q, self.k[layer], self.v[layer], out,
+                              self.shape.sm_scale)
+        self.lens = [s + n for s in self.lens]
+
+    def step(self) -> None:
+        """One decode pass of every request, as the server's layers call the core."""
+        plan = self.core.plan(self._view("decode", 1))
+        for layer in range(self.shape.num_layers):
+            self._capture(layer, self.batch)
+            self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
+                          self.shape.sm_scale)
+        self.lens = [s + 1 for s in self.lens]
+
+
+def crossover(histories, exact_s, sparse_s) -> int:
+    """The shortest history from which the sparse step was faster at every longer one
+    measured; ``NEVER`` if it was not faster at the longest."""
+    best = NEVER
+    for h, e, s in sorted(zip(histories, exact_s, sparse_s), reverse=True):
+        if s >= e:
+            break
+        best = h
+    return best
+
+
+def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
+            steps: int = 32, repeats: int = 3, threads: int | None = None,
+            progress: bool = True) -> dict:
+    """Seconds per decode step (attention and planning, every layer) of exact and of
+    ``cfg``'s sparse mode at each history; ``steps`` timed after a warm-up that covers
+    LoopServe's first selection, the two rows interleaved over ``repeats`` rounds."""
+    from tqdm import tqdm
+
+    if cfg.mode == "exact":
+        raise ValueError("--spec-mode exact has nothing to calibrate; valid: "
+                         "streaming, snapkv, loopserve, specontext")
+    if threads:
+        torch.set_num_threads(threads)
+    shape, hidden, vocab = model_shape(model_path, torch.bfloat16)
+    head = _load_head(cfg) if cfg.retrieval_head else None
+    warm = cfg.first_select_step + 2 if cfg.mode == "loopserve" else 2
+    exact_cfg = DecodeConfig()
+    rows = {"exact": [], cfg.mode: []}  # median seconds per step, by history
+    runs = {"exact": [], cfg.mode: []}  # every round's
+    bar = tqdm(total=len(histories) * repeats * 2, desc="decode steps", unit="point",
+               disable=not progress)
+    for h in histories:
+        if h <= _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window:
+            raise ValueError(f"history {h} is covered by the budget, sink and window "
+                             f"({cfg.budget} + {cfg.sink} + {cfg.window}); valid: longer ones")
+        times = {name: [] for name in rows}
+        for _ in range(repeats):
+            for name, c in (("exact", exact_cfg), (cfg.mode, cfg)):
+                bar.set_postfix_str(f"{name} {h} tok x{batch}")
+                b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head)
+                for _ in range(warm):
+                    b.step()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    b.step()
+                times[name].append((time.perf_counter() - t0) / steps)
+                del b
+                bar.update()
+        for name in rows:
+            rows[name].append(statistics.median(times[name]))
+            runs[name].append(times[name])
+    bar.close()
+    cross = crossover(histories, rows["exact"], rows[cfg.mode])
+    return {
+        "format": _FORMAT,
+        "hardware": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": "cpu",
+        "model": os.path.abspath(model_path),
+        "shape": {"num_layers": shape.num_layers, "num_q_heads": shape.num_q_heads,
+                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+        "decode": {k: getattr(cfg, k) for k in MATCH},
+        "batch": batch, "steps": steps, "repeats": repeats,
+        "histories": list(histories),
+        "exact_s": rows["exact"], "sparse_s": rows[cfg.mode],
+        "exact_runs_s": runs["exact"], "sparse_runs_s": runs[cfg.mode],
+        "crossover": None if cross == NEVER else cross,
+    }
+
+
+def _load_head(cfg: DecodeConfig):
+    from sgl_spec.head import eagle3
+    from sgl_spec.head.model import RetrievalHead
+
+    head_cfg, weights, n_aux = eagle3.load(cfg.draft_path)
+    return RetrievalHead(head_cfg, weights, n_aux, "cpu")
+
+
+def read_profile(path: str) -> dict:
+    """A profile file (``python -m sgl_spec.calibrate decode --out``), checked.
+    OSError / ValueError otherwise."""
+    with open(path) as f:
+        try:
+            prof = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path!r} is not JSON ({exc})") from None
+    try:
+        ok = (prof["format"] == _FORMAT and isinstance(prof["decode"], dict)
+              and all(k in prof["decode"] for k in MATCH)
+              and (prof["crossover"] is None or int(prof["crossover"]) >= 0)
+              and int(prof["shape"]["num_layers"]) > 0)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path!r} is not a decode profile (python -m sgl_spec.calibrate "
+                         "decode writes one)")
+    return prof
+
+
+def min_context(prof: dict, cfg: DecodeConfig, num_layers: int | None = None) -> int:
+    """The ``min_context`` a server of ``cfg`` uses with this profile: the larger of its
+    own and the profile's crossover (``NEVER`` where the mode paid nowhere). ValueError
+    where the profile measured another config or model."""
+    diff = [f"{k} {prof['decode'][k]!r} (this server: {getattr(cfg, k)!r})"
+            for k in MATCH if prof["decode"][k] != getattr(cfg, k)]
+    if num_layers is not None and prof["shape"]["num_layers"] != num_layers:
+        diff.append(f"{prof['shape']['num_layers']} layers (this model: {num_layers})")
+    if diff:
+        raise ValueError("the decode profile was measured with " + ", ".join(diff)
+                         + "; valid: a profile from python -m sgl_spec.calibrate decode "
+                         "with this server's --spec-* decode flags and --model-path")
+    cross = NEVER if prof["crossover"] is None else int(prof["crossover"])
+    return max(cfg.min_context, cross)

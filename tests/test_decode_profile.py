@@ -1,0 +1,139 @@
+"""The decode calibration behind the exact fallback: where a sparse step pays on this host
+(``sgl_spec.attention.step_cost``, ``python -m sgl_spec.calibrate decode``) and how a
+server given the profile (``--spec-decode-profile``) decodes shorter histories exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sgl_spec.attention import step_cost
+from sgl_spec.attention.step_cost import NEVER, crossover
+from sgl_spec.config import DecodeConfig
+from sgl_spec.launch_server import split_argv, with_decode_profile
+
+H = (1024, 2048, 4096, 8192)
+
+
+@pytest.mark.parametrize("sparse, want", [
+    ((0.5, 1.0, 2.0, 3.0), 1024),             # faster everywhere
+    ((2.0, 2.5, 3.0, 4.0), 4096),             # pays from 4k on
+    ((0.9, 2.5, 3.0, 4.0), 4096),             # faster at 1k, slower at 2k: not from 1k
+    ((0.5, 1.0, 2.0, 9.0), NEVER),            # slower at the longest: never
+    ((1.0, 2.0, 4.0, 8.0), NEVER),            # level is not faster
+])
+def test_crossover_is_where_sparse_stays_faster(sparse, want):
+    assert crossover(H, (1.0, 2.0, 4.0, 8.0), sparse) == want
+
+
+def _profile(tmp_path, cross=4096, layers=30, **decode):
+    d = {k: getattr(DecodeConfig(mode="loopserve"), k) for k in step_cost.MATCH}
+    d.update(decode)
+    prof = {"format": 1, "shape": {"num_layers": layers}, "decode": d, "histories": list(H),
+            "exact_s": [1, 2, 4, 8], "sparse_s": [2, 2.5, 3, 4], "crossover": cross}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(prof))
+    return str(path)
+
+
+def _model(tmp_path, layers=30):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    return str(model)
+
+
+def test_a_profile_raises_min_context_to_its_crossover(tmp_path):
+    path = _profile(tmp_path, cross=4096)
+    argv = ["--model-path", _model(tmp_path)]
+    for given, want in ((2048, 4096), (8192, 8192)):    # the larger of the two
+        cfg, _ = split_argv(["--spec-mode", "loopserve", "--spec-min-context", str(given),
+                             "--spec-decode-profile", path])
+        got = with_decode_profile(cfg, argv).decode
+        assert (got.mode, got.min_context) == ("loopserve", want)
+        assert got.use_exact(want - 1) and not got.use_exact(want)
+
+
+def test_a_mode_that_never_paid_serves_exact(tmp_path):
+    cfg, _ = split_argv(["--spec-mode", "loopserve", "--spec-decode-profile",
+                         _profile(tmp_path, cross=None)])
+    got = with_decode_profile(cfg, ["--model-path", _model(tmp_path)])
+    assert got.decode == DecodeConfig()              # exact: no policy, no head
+    assert got.cache == cfg.cache and got.krul == cfg.krul
+    assert step_cost.min_context(step_cost.read_profile(_profile(tmp_path, cross=None)),
+                                 cfg.decode) == NEVER
+
+
+def test_a_profile_of_other_flags_or_another_model_is_refused(tmp_path):
+    path = _profile(tmp_path, budget=512, layers=24)
+    cfg, _ = split_argv(["--spec-mode", "loopserve", "--spec-decode-profile", path])
+    with pytest.raises(ValueError) as exc:
+        with_decode_profile(cfg, ["--model-path", _model(tmp_path, layers=30)])
+    msg = str(exc.value)
+    assert "--spec-decode-profile" in msg and "budget 512 (this server: 1024)" in msg
+    assert "24 layers (this model: 30)" in msg and "python -m sgl_spec.calibrate decode" in msg
+    cfg, _ = split_argv(["--spec-mode", "specontext", "--spec-decode-profile", path])
+    with pytest.raises(ValueError, match="mode 'loopserve' \\(this server: 'specontext'\\)"):
+        with_decode_profile(cfg, [])
+
+
+def test_bad_profiles_exit_2_before_sglang_loads(tmp_path, capsys):
+    bad = tmp_path / "decode.json"
+    for text in ("{", "{}", "[1]", '{"format": 1, "shape": {"num_layers": 30}, '
+                 '"decode": {"mode": "loopserve"}, "crossover": 4096}'):
+        bad.write_text(text)
+        with pytest.raises(SystemExit) as exc:
+            split_argv(["--spec-mode", "loopserve", "--spec-decode-profile", str(bad)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--spec-decode-profile" in err and ("not JSON" in err or "not a decode" in err)
+    with pytest.raises(SystemExit):
+        split_argv(["--spec-mode", "loopserve", "--spec-decode-profile", str(tmp_path / "no")])
+    assert "No such file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--spec-decode-profile is read only with a sparse"):
+        DecodeConfig(profile_path="x.json")
+
+
+def test_the_measured_steps_are_the_served_path(model_path):
+    """A short profile on the default model's shape: both rows time real steps (LoopServe
+    past its first selection), and the crossover follows from the rows."""
+    cfg = DecodeConfig(mode="loopserve", budget=256)
+    prof = step_cost.profile(model_path, cfg, (1024, 2048), steps=2, repeats=1, threads=1,
+                             progress=False)
+    assert prof["shape"] == {"num_layers": 30, "num_q_heads": 9, "num_kv_heads": 3,
+                             "head_dim": 64}
+    assert all(t > 0 for t in prof["exact_s"] + prof["sparse_s"])
+    assert len(prof["exact_runs_s"]) == len(prof["sparse_runs_s"]) == 2
+    want = crossover(prof["histories"], prof["exact_s"], prof["sparse_s"])
+    assert prof["crossover"] == (None if want == NEVER else want)
+    assert step_cost.min_context(prof, dataclasses.replace(cfg, min_context=0), 30) == want
+    with pytest.raises(ValueError, match="covered by the budget"):
+        step_cost.profile(model_path, cfg, (256,), steps=1, repeats=1, progress=False)
+
+
+def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_path):
+    """The command end to end for SpeContext (its retrieval head planned every step): a
+    profile file that the launcher accepts for the same flags."""
+    from test_specontext_server import _head
+
+    head = _head(model_path)
+    out = tmp_path / "decode.json"
+    flags = ["--spec-mode", "specontext", "--spec-budget", "256", "--spec-draft-path", head]
+    run = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode", "--quick",
+                          "--threads", "1", "--out", str(out), *flags],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == str(out)
+    assert "history   exact ms   sparse ms" in run.stdout
+    prof = step_cost.read_profile(str(out))
+    assert prof["decode"]["mode"] == "specontext" and prof["histories"] == [1536, 3072]
+    cfg, _ = split_argv([*flags, "--spec-decode-profile", str(out)])
+    got = with_decode_profile(cfg, ["--model-path", model_path]).decode
+    assert got.mode in ("specontext", "exact")
+    bad = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--spec-mode exact has nothing to calibrate" in bad.stderr
