@@ -128,6 +128,7 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == str(out)
+    assert (tmp_path / "decode.png").stat().st_size > 0
     assert "history   exact ms   sparse ms" in run.stdout
     prof = step_cost.read_profile(str(out))
     assert prof["decode"]["mode"] == "specontext" and prof["histories"] == [1536, 3072]

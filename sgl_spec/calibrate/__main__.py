@@ -209,8 +209,32 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     out = args.out or f"decode-{name}-{cfg.mode}-B{cfg.budget}.json"
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
+    print(f"plot: {_plot_decode(prof, os.path.splitext(out)[0] + '.png')}")
     print(os.path.abspath(out))
     return 0
+
+
+def _plot_decode(prof: dict, path: str) -> str:
+    """ms per step against history, exact and sparse (median, every round's range), and
+    the crossover."""
+    from sgl_spec.bench import plots
+
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    h = prof["histories"]
+    mode = f"{prof['decode']['mode']} B={prof['decode']['budget']}"
+    for label, med, runs in (("exact", prof["exact_s"], prof["exact_runs_s"]),
+                             (mode, prof["sparse_s"], prof["sparse_runs_s"])):
+        lo = [m * 1e3 - min(r) * 1e3 for m, r in zip(med, runs)]
+        hi = [max(r) * 1e3 - m * 1e3 for m, r in zip(med, runs)]
+        ax.errorbar(h, [m * 1e3 for m in med], yerr=[lo, hi], marker="o", capsize=3,
+                    label=label)
+    if prof["crossover"] is not None:
+        ax.axvline(prof["crossover"], color="grey", ls="--", label="sparse from here")
+    ax.set(xscale="log", xlabel="history (tokens)", ylabel="ms per decode step (attention + plan)",
+           title=f"{prof['hardware']}, batch {prof['batch']}, {prof['threads']} threads")
+    plots.finish_axes(ax)
+    return plots.save(fig, path)
 
 
 if __name__ == "__main__":
