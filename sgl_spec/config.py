@@ -385,14 +385,15 @@ def _default(cfg: SpecConfig, flag: Flag):
     return getattr(getattr(cfg, flag.section) if flag.section else cfg, flag.field)
 
 
-def add_cli_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None
-                 ) -> None:
+def add_cli_args(parser: argparse.ArgumentParser, sections: tuple[str, ...] | None = None,
+                 skip: tuple[str, ...] = ()) -> None:
     """Add the ``--spec-*`` flags (sglang-style help, defaults shown); ``sections``: only
-    those parts' flags (a tool that reads, say, the decode flags alone)."""
+    those parts' flags, less ``skip`` (a tool that reads, say, the decode flags alone;
+    the others keep their defaults in ``from_cli_args``)."""
     group = parser.add_argument_group("sgl_spec options")
     defaults = SpecConfig()
     for flag in FLAGS:
-        if sections is not None and flag.section not in sections:
+        if (sections is not None and flag.section not in sections) or flag.name in skip:
             continue
         default = _default(defaults, flag)
         dest = f"{flag.section}__{flag.field}"

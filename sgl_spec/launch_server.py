@@ -180,9 +180,10 @@ def check_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
 def check_krul_profile(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
     """ValueError where ``--spec-krul-profile`` was measured for a model with another
     number of layers than the served one (read from its config.json, where local)."""
-    layers = _model_layers(argv)
-    if not cfg.krul.profile_path or layers is None:
+    config = _model_config(argv)
+    if not cfg.krul.profile_path or config is None or "num_hidden_layers" not in config:
         return
+    layers = config["num_hidden_layers"]
     from sgl_spec.krul.restore_cost import read_profile
 
     model = _value(argv, "--model-path", "--model")
@@ -194,23 +195,25 @@ def check_krul_profile(cfg: spec_config.SpecConfig, argv: list[str]) -> None:
                          f"{model}")
 
 
-def _model_layers(argv: list[str]) -> int | None:
-    """The served model's layer count from its config.json, where it is a local dir."""
+def _model_config(argv: list[str]) -> dict | None:
+    """The served model's config.json, where ``--model-path`` is a local directory."""
     import json
 
-    model = _value(argv, "--model-path", "--model") or ""
+    model = _value(argv, "--model-path", "--model")
+    if not model or not os.path.isdir(model):
+        return None
     try:
         with open(os.path.join(model, "config.json")) as f:
-            return int(json.load(f)["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
+            return json.load(f)
+    except (OSError, ValueError):
         return None
 
 
-def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str]
+def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool = True
                         ) -> spec_config.SpecConfig:
     """``cfg`` with ``min_context`` raised to where ``--spec-decode-profile`` found the
     sparse mode faster than exact on this host; ValueError where the profile measured
-    other decode flags or another model."""
+    other decode flags or another model, or where this host serves on CUDA."""
     if cfg.disable or not cfg.decode.profile_path:
         return cfg
     import dataclasses
@@ -218,8 +221,17 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str]
     from sgl_spec.attention import step_cost
 
     prof = step_cost.read_profile(cfg.decode.profile_path)
+    if not cpu:
+        raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r} was measured on "
+                         f"{prof.get('device', 'cpu')}; this host serves on CUDA, which "
+                         "'calibrate decode' does not measure; valid: drop it")
+    config = _model_config(argv)
     try:
-        n = step_cost.min_context(prof, cfg.decode, _model_layers(argv))
+        shape = step_cost.shape_of(config) if config is not None else None
+    except KeyError:  # not a config this check reads
+        shape = None
+    try:
+        n = step_cost.min_context(prof, cfg.decode, shape)
     except ValueError as exc:
         raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r}: {exc}") from None
     d = cfg.decode
@@ -298,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
     try:
         check_krul_profile(cfg, argv)
-        cfg = with_decode_profile(cfg, argv)
+        cfg = with_decode_profile(cfg, argv, cpu=cpu)
     except ValueError as exc:
         _spec_parser().error(str(exc))
     cfg = with_krul(with_head(cfg, argv), argv)

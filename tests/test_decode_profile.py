@@ -33,7 +33,8 @@ def test_crossover_is_where_sparse_stays_faster(sparse, want):
 def _profile(tmp_path, cross=4096, layers=30, **decode):
     d = {k: getattr(DecodeConfig(mode="loopserve"), k) for k in step_cost.MATCH}
     d.update(decode)
-    prof = {"format": 1, "shape": {"num_layers": layers}, "decode": d, "histories": list(H),
+    shape = {"num_layers": layers, "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    prof = {"format": 1, "shape": shape, "decode": d, "histories": list(H),
             "exact_s": [1, 2, 4, 8], "sparse_s": [2, 2.5, 3, 4], "crossover": cross}
     path = tmp_path / "decode.json"
     path.write_text(json.dumps(prof))
@@ -43,7 +44,9 @@ def _profile(tmp_path, cross=4096, layers=30, **decode):
 def _model(tmp_path, layers=30):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": layers, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576}))
     return str(model)
 
 
@@ -75,7 +78,10 @@ def test_a_profile_of_other_flags_or_another_model_is_refused(tmp_path):
         with_decode_profile(cfg, ["--model-path", _model(tmp_path, layers=30)])
     msg = str(exc.value)
     assert "--spec-decode-profile" in msg and "budget 512 (this server: 1024)" in msg
-    assert "24 layers (this model: 30)" in msg and "python -m sgl_spec.calibrate decode" in msg
+    assert "num_layers 24 (this model: 30)" in msg and "num_q_heads" not in msg
+    assert "python -m sgl_spec.calibrate decode" in msg
+    with pytest.raises(ValueError, match="this host serves on CUDA"):
+        with_decode_profile(cfg, [], cpu=False)
     cfg, _ = split_argv(["--spec-mode", "specontext", "--spec-decode-profile", path])
     with pytest.raises(ValueError, match="mode 'loopserve' \\(this server: 'specontext'\\)"):
         with_decode_profile(cfg, [])
@@ -99,20 +105,23 @@ def test_bad_profiles_exit_2_before_sglang_loads(tmp_path, capsys):
 
 
 def test_the_measured_steps_are_the_served_path(model_path):
-    """A short profile on the default model's shape: both rows time real steps (LoopServe
-    past its first selection), and the crossover follows from the rows."""
-    cfg = DecodeConfig(mode="loopserve", budget=256)
-    prof = step_cost.profile(model_path, cfg, (1024, 2048), steps=2, repeats=1, threads=1,
+    """A short profile on the default model's shape: the sparse row's timed steps are all
+    sparse, with LoopServe's reselections among them (whole --spec-nd intervals), the
+    exact row's none; the crossover follows from the rows."""
+    cfg = DecodeConfig(mode="loopserve", budget=256, nd=4)
+    prof = step_cost.profile(model_path, cfg, (1024, 2048), steps=6, repeats=1, threads=1,
                              progress=False)
-    assert prof["shape"] == {"num_layers": 30, "num_q_heads": 9, "num_kv_heads": 3,
-                             "head_dim": 64}
+    shape = {"num_layers": 30, "num_q_heads": 9, "num_kv_heads": 3, "head_dim": 64}
+    assert prof["shape"] == shape and prof["steps"] == 8
     assert all(t > 0 for t in prof["exact_s"] + prof["sparse_s"])
     assert len(prof["exact_runs_s"]) == len(prof["sparse_runs_s"]) == 2
+    for c in prof["sparse_counts"]:
+        assert (c["sparse_steps"], c["exact_steps"], c["reselections"]) == (8, 0, 2)
     want = crossover(prof["histories"], prof["exact_s"], prof["sparse_s"])
     assert prof["crossover"] == (None if want == NEVER else want)
-    assert step_cost.min_context(prof, dataclasses.replace(cfg, min_context=0), 30) == want
-    with pytest.raises(ValueError, match="covered by the budget"):
-        step_cost.profile(model_path, cfg, (256,), steps=1, repeats=1, progress=False)
+    assert step_cost.min_context(prof, dataclasses.replace(cfg, min_context=0), shape) == want
+    with pytest.raises(ValueError, match="valid: histories > 388"):
+        step_cost.profile(model_path, DecodeConfig(mode="loopserve", budget=256), (256,))
 
 
 def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_path):
@@ -132,6 +141,9 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
     assert "history   exact ms   sparse ms" in run.stdout
     prof = step_cost.read_profile(str(out))
     assert prof["decode"]["mode"] == "specontext" and prof["histories"] == [1536, 3072]
+    for c in prof["sparse_counts"]:  # every timed step sparse, each loading part of B
+        assert c["sparse_steps"] == prof["steps"] and c["exact_steps"] == 0
+        assert 0 < c["rows_loaded"] < 256 and 0 < c["overlap"] < 1
     cfg, _ = split_argv([*flags, "--spec-decode-profile", str(out)])
     got = with_decode_profile(cfg, ["--model-path", model_path]).decode
     assert got.mode in ("specontext", "exact")

@@ -140,6 +140,25 @@ def test_checksum_in_place_equals_the_gathered_reference(codec, layout):
     assert a.checksum(s) == a.checksum_ref(s)
 
 
+@pytest.mark.parametrize("rows", [[*range(0, 40), *range(50, 90)], [7], [9, 8, 7, 3],
+                                  [5, 5, 6, 6], [*range(30), 31, 33, *range(40, 70)]],
+                         ids=["two-runs", "one", "descending", "repeats", "runs-and-gaps"])
+def test_hashing_rows_in_place_equals_hashing_their_gather(rows):
+    import numpy as np
+    import xxhash
+
+    from sgl_spec.krul.arena import _hash_rows
+
+    g = np.random.default_rng(0)
+    bufs = [g.integers(0, 256, (100, w), dtype=np.uint8) for w in (16, 4, 8)]
+    idx = np.array(rows)
+    h, ref = xxhash.xxh3_64(), xxhash.xxh3_64()
+    _hash_rows(h, bufs, idx)
+    for b in bufs:
+        ref.update(b[idx].tobytes())
+    assert h.intdigest() == ref.intdigest()
+
+
 def test_bad_calls_are_refused():
     a, s, _, _ = _filled(n=4)
     with pytest.raises(ValueError, match="non-increasing"):

@@ -7,14 +7,18 @@ and where that length lies depends on the host: on this 2-core CPU a LoopServe s
 a 7k history decoded at 0.77x of exact, a SpeContext one at 1.23x; on an H200 a sparse
 step beat FlashInfer's dense decode only at 32k x batch 8.
 
-``profile`` times decode steps of sgl_spec's attention path, exact and the sparse mode,
-as a server runs them (``AttentionCore``: the head's pass, the decoder's plan, one
-kernel call per layer, the head's captures at its aux layers) over a KV pool of the
-model's shape with scattered slots, at a ladder of history lengths, the two interleaved
-over ``repeats`` rounds. Each request's last prompt chunk runs through the core first
-(what SnapKV scores, what the head's state needs). The model's other work (projections,
-MLP) is the same in both, so only attention and planning are timed. Random weights and
-KV: the time does not depend on their values.
+``profile`` times decode steps of sgl_spec's attention path as a server of the sparse
+mode runs them (``AttentionCore``: the head's pass, the decoder's plan, one kernel call
+per layer, the head's captures at its aux layers) over a KV pool of the model's shape
+with scattered slots, at a ladder of history lengths: the *sparse* row with every
+history selecting, the *exact* row with ``min_context`` above them all, what the same
+server does with a shorter history (SpeContext's head still runs there). The two are
+interleaved over ``repeats`` rounds. Each request's last prompt chunk runs through the
+core first (what SnapKV scores, what the head's state needs). The model's other work
+(projections, MLP) is the same in both, so only attention and planning are timed.
+Random weights and KV; the head's inputs drift from step to step (an AR(1) residual
+stream) rather than jump, so consecutive selections overlap and the elastic loads move
+part of B, as when serving; the profile records the share loaded and the overlap.
 
 ``crossover`` is the shortest measured history from which the sparse step is faster at
 every longer measured history; a server given the profile (``--spec-decode-profile``)
@@ -36,7 +40,7 @@ import time
 
 import torch
 
-from sgl_spec.config import DecodeConfig
+from sgl_spec.config import MODES, DecodeConfig
 from sgl_spec.sparse.policy import AttnShape
 
 from .batch import BatchView
@@ -47,21 +51,25 @@ HISTORIES = (1024, 2048, 4096, 8192, 16384)
 NEVER = sys.maxsize  # min_context of a mode that paid at no measured history
 _FORMAT = 1
 _LAST_CHUNK = 64  # prompt tokens run through the core before decoding (the rest fills)
+_DRIFT = 0.95  # the head's inputs from step to step: x' = a x + sqrt(1 - a^2) noise
 # Decode config fields the measured step depends on (a profile must match them).
 MATCH = ("mode", "budget", "sink", "window", "nd", "first_select_step", "dense_layers",
          "prefetch")
+
+
+def shape_of(config: dict) -> dict:
+    """The attention shape a profile records, from a model's config.json dict."""
+    heads = config["num_attention_heads"]
+    return {"num_layers": config["num_hidden_layers"], "num_q_heads": heads,
+            "num_kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads}
 
 
 def model_shape(model_path: str, kv_dtype: torch.dtype) -> tuple[AttnShape, int, int]:
     """(the attention shape, hidden size, vocab size) from the model's config.json."""
     with open(os.path.join(model_path, "config.json")) as f:
         c = json.load(f)
-    heads = c["num_attention_heads"]
-    shape = AttnShape(num_layers=c["num_hidden_layers"], num_q_heads=heads,
-                      num_kv_heads=c.get("num_key_value_heads") or heads,
-                      head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                      kv_dtype=kv_dtype)
-    return shape, c["hidden_size"], c["vocab_size"]
+    return AttnShape(**shape_of(c), kv_dtype=kv_dtype), c["hidden_size"], c["vocab_size"]
 
 
 class _Bench:
@@ -72,6 +80,7 @@ class _Bench:
                  batch: int, history: int, steps: int, head=None, seed: int = 0):
         self.shape, self.hidden, self.vocab, self.batch = shape, hidden, vocab, batch
         self.gen = torch.Generator().manual_seed(seed)
+        self.drift: dict[int, torch.Tensor] = {}  # aux layer -> this step's hidden [B, Ht]
         ctx = history + steps + 1
         slots = batch * ctx + 1
         kv = (slots, shape.num_kv_heads, shape.head_dim)
@@ -91,7 +100,8 @@ class _Bench:
         if cfg.mode != "exact":
             from sgl_spec.sparse import get_policy
 
-            policy = get_policy(cfg.mode, dataclasses.replace(cfg, min_context=0), shape, "cpu")
+            policy = get_policy(cfg.mode, cfg, shape, "cpu")
+        self.policy = policy
         if head is not None and cfg.retrieval_head:
             from sgl_spec.head.runtime import HeadRuntime, HeadStore
 
@@ -108,27 +118,34 @@ class _Bench:
             self._extend(history - _LAST_CHUNK, head_only=True)  # the head's keys
         else:
             self.lens = [history - _LAST_CHUNK] * batch  # no head: the KV is all there is
-        decoder = Decoder(shape, policy, prefetch=cfg.prefetch,
-                          pool_layers=lambda layer: (self.k[layer], self.v[layer]))
-        self.core = AttentionCore(decoder, None, self.head)
+        self.decoder = Decoder(shape, policy, prefetch=cfg.prefetch,
+                               pool_layers=lambda layer: (self.k[layer], self.v[layer]))
+        self.core = AttentionCore(self.decoder, None, self.head)
         self._extend(_LAST_CHUNK)  # the last prompt chunk through the whole path
         self.q = torch.randn(batch, shape.num_q_heads, shape.head_dim,
                              generator=self.gen).to(shape.kv_dtype)
         self.out = torch.empty_like(self.q)
+        self.ids = torch.randint(0, vocab, (batch,), generator=self.gen)
 
     def _view(self, mode: str, n: int) -> BatchView:
         """A pass adding ``n`` tokens to every request."""
         seq = tuple(s + n for s in self.lens)
         loc = torch.cat([self.req_to_token[i, s:s + n] for i, s in enumerate(self.lens)]).long()
         ids = torch.randint(0, self.vocab, (self.batch * n,), generator=self.gen)
+        if mode == "decode":  # a drifting context, not a jump (see the module docstring)
+            ids = self.ids
         return BatchView(mode, self.rids, seq, tuple(range(self.batch)),
                          (n,) * self.batch if mode == "extend" else (), True,
                          self.req_to_token, self.rows, torch.tensor(seq), ids, loc)
 
-    def _capture(self, layer: int, tokens: int) -> None:
-        if self.head is not None and layer in self.aux:
-            hidden = torch.randn(tokens, self.hidden, generator=self.gen).to(self.shape.kv_dtype)
-            self.head.capture(self.aux.index(layer), hidden)
+    def _capture(self, layer: int, tokens: int, drift: bool = False) -> None:
+        if self.head is None or layer not in self.aux:
+            return
+        noise = torch.randn(tokens, self.hidden, generator=self.gen)
+        if drift:
+            last = self.drift.get(layer, noise)
+            noise = self.drift[layer] = _DRIFT * last + (1 - _DRIFT ** 2) ** 0.5 * noise
+        self.head.capture(self.aux.index(layer), noise.to(self.shape.kv_dtype))
 
     def _extend(self, n: int, head_only: bool = False) -> None:
         view = self._view("extend", n)
@@ -147,11 +164,28 @@ class _Bench:
                               self.shape.sm_scale)
         self.lens = [s + n for s in self.lens]
 
+    def counts(self) -> dict:
+        """What the timed steps did: sparse and exact request-steps, reselections, and
+        SpeContext's elastic loads (rows per request-step and KV head) and overlap."""
+        st = self.decoder.stats
+        out = {"sparse_steps": st.sparse_steps, "exact_steps": st.exact_steps,
+               "reselections": st.reselections}
+        ps = getattr(self.policy, "stats", None)
+        if ps is not None and hasattr(ps, "rows_loaded") and ps.selections:
+            out["rows_loaded"] = ps.rows_loaded / (ps.selections * self.shape.num_kv_heads)
+            out["overlap"] = ps.mean_overlap
+        return out
+
+    def reset_counts(self) -> None:
+        self.decoder.stats = type(self.decoder.stats)()
+        if self.policy is not None and hasattr(self.policy, "stats"):
+            self.policy.stats = type(self.policy.stats)()
+
     def step(self) -> None:
         """One decode pass of every request, as the server's layers call the core."""
         plan = self.core.plan(self._view("decode", 1))
         for layer in range(self.shape.num_layers):
-            self._capture(layer, self.batch)
+            self._capture(layer, self.batch, drift=True)
             self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
                           self.shape.sm_scale)
         self.lens = [s + 1 for s in self.lens]
@@ -170,59 +204,75 @@ def crossover(histories, exact_s, sparse_s) -> int:
 
 def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
             steps: int = 32, repeats: int = 3, threads: int | None = None,
-            progress: bool = True) -> dict:
-    """Seconds per decode step (attention and planning, every layer) of exact and of
-    ``cfg``'s sparse mode at each history; ``steps`` timed after a warm-up that covers
-    LoopServe's first selection, the two rows interleaved over ``repeats`` rounds."""
+            progress: bool = True, dry_run: bool = False) -> dict | None:
+    """Seconds per decode step (attention and planning, every layer) of ``cfg``'s server
+    with every history sparse and with none, at each history; ``steps`` timed (for
+    LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
+    rows interleaved over ``repeats`` rounds. ValueError on what cannot be measured
+    (``dry_run``: only that check)."""
     from tqdm import tqdm
 
     if cfg.mode == "exact":
         raise ValueError("--spec-mode exact has nothing to calibrate; valid: "
-                         "streaming, snapkv, loopserve, specontext")
+                         + ", ".join(m for m in MODES if m != "exact"))
+    covered = _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window
+    if min(histories) <= covered:
+        raise ValueError(f"history {min(histories)} is covered by the budget, sink and window "
+                         f"({cfg.budget} + {cfg.sink} + {cfg.window}, after a {_LAST_CHUNK}-token "
+                         f"last chunk); valid: histories > {covered}")
+    if dry_run:
+        return None
     if threads:
         torch.set_num_threads(threads)
     shape, hidden, vocab = model_shape(model_path, torch.bfloat16)
     head = _load_head(cfg) if cfg.retrieval_head else None
-    warm = cfg.first_select_step + 2 if cfg.mode == "loopserve" else 2
-    exact_cfg = DecodeConfig()
-    rows = {"exact": [], cfg.mode: []}  # median seconds per step, by history
-    runs = {"exact": [], cfg.mode: []}  # every round's
+    warm = 2
+    if cfg.mode == "loopserve":
+        warm = cfg.first_select_step + 2
+        steps = -(-steps // cfg.nd) * cfg.nd  # whole reselection intervals
+    rows = {"exact": dataclasses.replace(cfg, min_context=NEVER),
+            "sparse": dataclasses.replace(cfg, min_context=0)}
+    med = {name: [] for name in rows}  # median seconds per step, by history
+    runs = {name: [] for name in rows}  # every round's
+    counts = []  # the sparse row's last round, by history
     bar = tqdm(total=len(histories) * repeats * 2, desc="decode steps", unit="point",
                disable=not progress)
     for h in histories:
-        if h <= _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window:
-            raise ValueError(f"history {h} is covered by the budget, sink and window "
-                             f"({cfg.budget} + {cfg.sink} + {cfg.window}); valid: longer ones")
         times = {name: [] for name in rows}
+        cnt = {}
         for _ in range(repeats):
-            for name, c in (("exact", exact_cfg), (cfg.mode, cfg)):
+            for name, c in rows.items():
                 bar.set_postfix_str(f"{name} {h} tok x{batch}")
                 b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head)
                 for _ in range(warm):
                     b.step()
+                b.reset_counts()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     b.step()
                 times[name].append((time.perf_counter() - t0) / steps)
+                cnt[name] = b.counts()
                 del b
                 bar.update()
         for name in rows:
-            rows[name].append(statistics.median(times[name]))
+            med[name].append(statistics.median(times[name]))
             runs[name].append(times[name])
+        counts.append(cnt["sparse"])
     bar.close()
-    cross = crossover(histories, rows["exact"], rows[cfg.mode])
+    cross = crossover(histories, med["exact"], med["sparse"])
     return {
         "format": _FORMAT,
         "hardware": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": "cpu",
         "model": os.path.abspath(model_path),
-        "shape": {"num_layers": shape.num_layers, "num_q_heads": shape.num_q_heads,
-                  "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim},
+        "shape": {k: getattr(shape, k) for k in ("num_layers", "num_q_heads", "num_kv_heads",
+                                                 "head_dim")},
         "decode": {k: getattr(cfg, k) for k in MATCH},
         "batch": batch, "steps": steps, "repeats": repeats,
         "histories": list(histories),
-        "exact_s": rows["exact"], "sparse_s": rows[cfg.mode],
-        "exact_runs_s": runs["exact"], "sparse_runs_s": runs[cfg.mode],
+        "exact_s": med["exact"], "sparse_s": med["sparse"],
+        "exact_runs_s": runs["exact"], "sparse_runs_s": runs["sparse"],
+        "sparse_counts": counts,
         "crossover": None if cross == NEVER else cross,
     }
 
@@ -256,14 +306,15 @@ def read_profile(path: str) -> dict:
     return prof
 
 
-def min_context(prof: dict, cfg: DecodeConfig, num_layers: int | None = None) -> int:
+def min_context(prof: dict, cfg: DecodeConfig, shape: dict | None = None) -> int:
     """The ``min_context`` a server of ``cfg`` uses with this profile: the larger of its
     own and the profile's crossover (``NEVER`` where the mode paid nowhere). ValueError
-    where the profile measured another config or model."""
+    where the profile measured another config or (``shape``, as the profile's) model."""
     diff = [f"{k} {prof['decode'][k]!r} (this server: {getattr(cfg, k)!r})"
             for k in MATCH if prof["decode"][k] != getattr(cfg, k)]
-    if num_layers is not None and prof["shape"]["num_layers"] != num_layers:
-        diff.append(f"{prof['shape']['num_layers']} layers (this model: {num_layers})")
+    for k, v in (shape or {}).items():
+        if prof["shape"].get(k) != v:
+            diff.append(f"{k} {prof['shape'].get(k)} (this model: {v})")
     if diff:
         raise ValueError("the decode profile was measured with " + ", ".join(diff)
                          + "; valid: a profile from python -m sgl_spec.calibrate decode "

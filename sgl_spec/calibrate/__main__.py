@@ -15,8 +15,9 @@ restore time it predicts; the last line is the JSON profile.
 ``python -m sgl_spec.calibrate decode --spec-mode MODE [--spec-* decode flags]`` times
 decode steps of sgl_spec's attention path, exact and the sparse mode, at a ladder of
 history lengths on this host (``sgl_spec.attention.step_cost``), prints both and the
-length from which the sparse step is faster; the last line is the JSON profile, which
-``--spec-decode-profile`` servers read (shorter histories decode exactly).
+length from which the sparse step is faster, and writes a plot; the last line is the
+JSON profile's path, which ``--spec-decode-profile`` servers read (shorter histories
+decode exactly).
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="histories 1536 and 3072, 4 steps, 1 round (tests)")
     dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
                                   "here)")
-    add_cli_args(dp, sections=("decode",))
+    add_cli_args(dp, sections=("decode",), skip=("--spec-min-context", "--spec-decode-profile"))
 
 
 def _decode(dp: argparse.ArgumentParser, args) -> int:
@@ -170,16 +171,18 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
         cfg = from_cli_args(args).decode
     except ValueError as exc:
         dp.error(str(exc))
-    if cfg.mode == "exact":
-        dp.error("--spec-mode exact has nothing to calibrate; valid: "
-                 "streaming, snapkv, loopserve, specontext")
     if args.quick:
         args.histories, args.steps, args.repeats = [1536, 3072], 4, 1
     if min(args.histories) < 1 or args.batch < 1 or args.steps < 1 or args.repeats < 1 \
             or args.threads < 0:
         dp.error("--histories, --batch, --steps and --repeats must be >= 1, --threads >= 0")
+    from sgl_spec.attention import step_cost
     from sgl_spec.bench.cli import model_path
 
+    try:  # the flags' own checks before a model or head is prepared
+        step_cost.profile("", cfg, tuple(args.histories), dry_run=True)
+    except ValueError as exc:
+        dp.error(str(exc))
     model = model_path(dp, args.model_path)
     if cfg.retrieval_head and not cfg.draft_path:
         import dataclasses
@@ -187,8 +190,6 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
         from sgl_spec.train_head import prepare
 
         cfg = dataclasses.replace(cfg, draft_path=prepare(model))
-    from sgl_spec.attention import step_cost
-
     try:
         prof = step_cost.profile(model, cfg, tuple(sorted(set(args.histories))),
                                  batch=args.batch, steps=args.steps, repeats=args.repeats,

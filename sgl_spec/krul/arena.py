@@ -354,8 +354,9 @@ class Arena:
         A restore verifies this before it loads, so it must cost little next to the
         load: runs of consecutive rows (what ``alloc`` hands out) are hashed in place,
         without the gather and copy a fragmented set needs (``checksum_ref``)."""
-        m = self.map[:, slots.cpu().long()].numpy()
-        bufs = self.store.byte_views()
+        slots = slots.cpu().long()
+        m, mag_of = self.map[:, slots].numpy(), self.mag_of[:, slots].numpy()
+        bufs, mags = self.store.byte_views(), self.mag.view(torch.uint8).numpy()
         h = xxhash.xxh3_64()
         for layer in range(self.L):
             ml = m[layer]
@@ -364,8 +365,7 @@ class Arena:
             mer = ml <= -2
             if mer.any():
                 _hash_rows(h, bufs, -2 - ml[mer])
-                mags = self.mag_of[layer, slots.cpu().long()].numpy()[mer]
-                h.update(self.mag.view(torch.uint8).numpy()[mags])
+                h.update(mags[mag_of[layer][mer]])
         return h.intdigest()
 
     def checksum_ref(self, slots: torch.Tensor) -> int:
