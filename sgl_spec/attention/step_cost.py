@@ -47,7 +47,7 @@ from .batch import BatchView
 from .core import AttentionCore
 from .decode import Decoder
 
-HISTORIES = (1024, 2048, 4096, 8192, 16384)
+HISTORIES = (1536, 2048, 3072, 4096, 8192, 16384)  # less those the budget covers
 NEVER = sys.maxsize  # min_context of a mode that paid at no measured history
 _FORMAT = 1
 _LAST_CHUNK = 64  # prompt tokens run through the core before decoding (the rest fills)
@@ -189,6 +189,12 @@ class _Bench:
             self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
                           self.shape.sm_scale)
         self.lens = [s + 1 for s in self.lens]
+
+
+def measurable(cfg: DecodeConfig, histories=HISTORIES) -> tuple[int, ...]:
+    """The histories a sparse step of ``cfg`` can be timed at (longer than the budget,
+    sink, window and the last prompt chunk cover)."""
+    return tuple(h for h in histories if h > _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window)
 
 
 def crossover(histories, exact_s, sparse_s) -> int:

@@ -143,8 +143,9 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
     from sgl_spec.config import add_cli_args
 
     dp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
-    dp.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES), metavar="N",
-                    help=f"history lengths in tokens (default: {' '.join(map(str, HISTORIES))})")
+    dp.add_argument("--histories", type=int, nargs="+", metavar="N",
+                    help=f"history lengths in tokens (default: {' '.join(map(str, HISTORIES))}, "
+                         "less those the budget, sink and window cover)")
     dp.add_argument("--batch", type=int, default=1, metavar="B",
                     help="requests decoding together (default 1)")
     dp.add_argument("--steps", type=int, default=32, metavar="N",
@@ -171,12 +172,15 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
         cfg = from_cli_args(args).decode
     except ValueError as exc:
         dp.error(str(exc))
+    from sgl_spec.attention import step_cost
+
     if args.quick:
         args.histories, args.steps, args.repeats = [1536, 3072], 4, 1
+    elif not args.histories:
+        args.histories = list(step_cost.measurable(cfg)) or [max(step_cost.HISTORIES)]
     if min(args.histories) < 1 or args.batch < 1 or args.steps < 1 or args.repeats < 1 \
             or args.threads < 0:
         dp.error("--histories, --batch, --steps and --repeats must be >= 1, --threads >= 0")
-    from sgl_spec.attention import step_cost
     from sgl_spec.bench.cli import model_path
 
     try:  # the flags' own checks before a model or head is prepared
