@@ -252,3 +252,31 @@ def test_a_one_token_extend_counts_as_a_decode_step():
                               seq_lens_t=torch.tensor([33, 48]), **kw))
     assert [ob.rid for ob in plan.items] == ["b"] and plan.items[0].q_pos.tolist() == [47]
     assert int(plan.items[0].q_idx) == 1                   # b's row of the pass
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_read_in_place_equal_the_gathered_reference(dtype):
+    """On a CPU host the observed rows come from the C++ kernel reading keys in place (the
+    default model's 9 query / 3 KV heads x 64): causal extend rows and a decode row equal
+    the float64 rows over the gathered keys, zero past each position."""
+    from sgl_spec.attention.observe import Observed, _rows_in_place
+    from sgl_spec.kernels.sparse_decode.cpu_impl import load_kernel
+
+    if load_kernel() is None:
+        pytest.skip("the C++ decode kernel does not build here")
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, n = 9, 3, 64, 300
+    k_buf = torch.randn(512, hkv, d, generator=g).to(dtype)
+    req_to_token = torch.zeros(3, 400, dtype=torch.int32)
+    req_to_token[2, :n] = torch.randperm(512, generator=g)[:n].int()
+    keys = k_buf[req_to_token[2, :n].long()]
+    for pos in (torch.tensor([7, 150, 298, 299]), torch.tensor([299])):
+        q = torch.randn(len(pos), hq, d, generator=g).bfloat16()
+        ob = Observed("r", 0, torch.arange(len(pos)), pos, None, False, None, 2, n)
+        got = _rows_in_place(q, k_buf, req_to_token, ob, 0.125)
+        assert got is not None and got.shape == (len(pos), hq, n)
+        torch.testing.assert_close(got, attention_rows_ref(q, keys, pos, 0.125),
+                                   rtol=1e-4, atol=1e-6)
+        assert float(got[0, :, int(pos[0]) + 1:].abs().sum()) == 0.0
+    ob = Observed("r", 0, torch.arange(1), torch.tensor([5]), None, False, None, 2, n)
+    assert _rows_in_place(q[:1], k_buf, None, ob, 0.125) is None   # no pool rows: gather

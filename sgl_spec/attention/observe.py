@@ -55,7 +55,8 @@ class ObserveConfig:
     # observing 8 rows spent ~130 ms of its ~0.7 s TTFT on this CPU (2026-11-27)
     tokens_per_row: int = 128
     decode_every: int = 64  # decode steps between observed ones (a step's rows at 30
-    # layers and 4k keys take ~50 ms on a 2-core CPU: 1/64 of that per step)
+    # layers and 4k keys took ~50 ms on a 2-core CPU over gathered keys, ~11 ms read in
+    # place by the C++ kernel: 1/64 of that per step)
     max_queued_bytes: int = 256 << 20  # rows waiting for the worker, at most
     # Fold prefill rows on a worker thread (True), in line (False), or None: a worker
     # where the model runs on a GPU (the CPU is free meanwhile: the paper's split), in
@@ -80,10 +81,13 @@ class Observed(NamedTuple):
     slots: torch.Tensor | None  # decode: [n] KV slots of positions 0..n-1 (extend: the span's)
     deferred: bool  # prefill rows: folded on the worker
     step: Step
+    row: int  # its req_to_token row
+    n: int  # keys it has in this pass (positions 0..n-1)
 
 
 class ObservePlan(NamedTuple):
     items: list[Observed]
+    req_to_token: torch.Tensor | None = None  # the pass's, for rows read in place
 
 
 def prefill_positions(rid: str, prefix: int, new: int, rows: int) -> list[int]:
@@ -202,20 +206,21 @@ class KrulObserver:
                 if n % every == 0:
                     slots = batch.req_to_token[row, :n].long()
                     items.append(Observed(rid, i, torch.tensor([i]), torch.tensor([n - 1]),
-                                          slots, False, self._accumulator(rid).step()))
+                                          slots, False, self._accumulator(rid).step(), row, n))
         elif batch.mode == "extend":
             q_start = 0
             every = self.cfg.decode_every
-            for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens)):
+            for i, (rid, n, e, row) in enumerate(zip(batch.rids, batch.seq_lens,
+                                                     batch.extend_lens, batch.pool_rows)):
                 # a one-token extend (a decode step in a mixed batch) as a decode step
                 if e > 1 or (e == 1 and n % every == 0):
                     rows = min(self.cfg.prefill_rows, max(1, e // self.cfg.tokens_per_row))
                     pos = torch.tensor(prefill_positions(rid, n - e, e, rows))
                     items.append(Observed(rid, i, q_start + pos - (n - e), pos, None,
                                           self.folder is not None,
-                                          self._accumulator(rid).step()))
+                                          self._accumulator(rid).step(), row, n))
                 q_start += e
-        return ObservePlan(items) if items else None
+        return ObservePlan(items, batch.req_to_token) if items else None
 
     def run(self, plan: ObservePlan, layer: int, q: torch.Tensor, k_buf: torch.Tensor,
             scale: float, span_keys=None) -> None:
@@ -224,11 +229,11 @@ class KrulObserver:
         t0 = time.perf_counter()
         last = layer == self.num_layers - 1
         for ob in plan.items:
-            if ob.slots is not None:
-                k = k_buf.index_select(0, ob.slots)
-            else:
-                k = span_keys(ob.index)
-            rows = attention_rows(q.index_select(0, ob.q_idx.to(q.device)), k, ob.q_pos, scale)
+            qo = q.index_select(0, ob.q_idx.to(q.device))
+            rows = _rows_in_place(qo, k_buf, plan.req_to_token, ob, scale)
+            if rows is None:  # not a call the C++ kernel takes: gather the keys
+                k = k_buf.index_select(0, ob.slots) if ob.slots is not None else span_keys(ob.index)
+                rows = attention_rows(qo, k, ob.q_pos, scale)
             if layer == 0:
                 self.rows["decode" if ob.slots is not None else "prefill"] += rows.shape[0] * rows.shape[1]
             rows = rows.cpu()
@@ -239,6 +244,24 @@ class KrulObserver:
                 self.folder.drain()  # over the bound: the step's queued layers first, in order
             _fold(ob.step, layer, rows, ob.q_pos, last)
         self.inline_seconds += time.perf_counter() - t0
+
+
+def _rows_in_place(q: torch.Tensor, k_buf: torch.Tensor, req_to_token: torch.Tensor | None,
+                   ob: Observed, scale: float) -> torch.Tensor | None:
+    """``attention_rows`` of ``ob`` with its keys read in place from the pool by the C++
+    kernel (CPU): a gather, a float copy and MKL's tiny-M bmm cost a 30-token follow-up
+    over a 4k history ~25 ms of its ~35 ms over 30 layers here. None where the kernel
+    does not take the call."""
+    if req_to_token is None:
+        return None
+    from sgl_spec.kernels.sparse_decode import head_logits
+
+    m, hq, _ = q.shape
+    rows = torch.full((m,), ob.row, dtype=torch.int64)
+    logits = head_logits(q.float() * scale, k_buf, req_to_token, rows, ob.q_pos + 1, ob.n)
+    if logits is None:
+        return None
+    return torch.softmax(logits.view(m, hq, ob.n), dim=-1)
 
 
 def _fold(step: Step, layer: int, rows: torch.Tensor, q_pos: torch.Tensor, last: bool) -> None:
