@@ -115,7 +115,9 @@ def test_restore_kernel_bench_times_each_path_and_checks_the_rows(tmp_path):
                          "--repeats", "2", "--threads", "1", "--codecs", "k8v4"])
     res = json.loads((tmp_path / "results.json").read_text())
     (pt,) = res["points"]
-    assert pt["one_pass_equals_torch"] and pt["threads"] == 1
-    assert set(pt["ms"]) == {"full copy", "codec, torch", "codec, one pass"}
+    assert pt["one_pass_equals_torch"] and pt["checksums_equal"] and pt["threads"] == 1
+    assert set(pt["ms"]) == {"full copy", "codec, torch", "codec, one pass",
+                             "verify: checksum, gathered", "verify: checksum, in place",
+                             "estimator: rows, gathered", "estimator: rows, in place"}
     assert all(0 < s["min"] <= s["median"] <= s["max"] for s in pt["ms"].values())
     assert "codec, one pass" in (tmp_path / "results.md").read_text()

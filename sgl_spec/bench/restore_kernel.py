@@ -14,8 +14,19 @@ layer as HiCache's loader calls it:
 * ``codec, one pass``: ``kernels.dequant.dequant_scatter``, the C++ kernel
   (``RowStore.get_into``).
 
+And what else a Krul follow-up pays that HiCache's does not, per codec:
+
+* ``verify: checksum, gathered``: the restore's check of the stored rows as it was (every
+  row gathered, copied to bytes, then hashed: ``Arena.checksum_ref``);
+* ``verify: checksum, in place``: runs of consecutive rows hashed where they lie
+  (``Arena.checksum``, what a restore runs);
+* ``estimator: rows, gathered`` / ``estimator: rows, in place``: Krul's estimator observing
+  one query row of a 30-token follow-up at every layer (``observe.KrulObserver``), over
+  keys gathered from the pool, and read in place by the C++ kernel (what it runs on CPU).
+
 Median, min and max milliseconds of ``--repeats`` after a warm-up; each path's pool rows
-are checked equal to the torch path's. Writes results.json and results.md. Not a test.
+are checked equal to the torch path's, the two checksums equal. Writes results.json and
+results.md. Not a test.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import torch
 
 from sgl_spec.bench import cli, render
 from sgl_spec.bench.timing import samples_s, spread
+from sgl_spec.krul.arena import Arena
 from sgl_spec.krul.codec import FullStore, RowStore, codec_class
 
 H, D = 3, 64
@@ -62,13 +74,48 @@ def run(codec: str, tokens: int, layers: int, repeats: int) -> dict:
         for layer in range(layers):
             store.get_into(layer_rows(layer), pk, pv, slots)
 
-    paths = {"full copy": full_copy, "codec, torch": codec_torch, "codec, one pass": one_pass}
+    arena = Arena(tokens, layers, tokens * layers, H, D, torch.bfloat16, codec=codec)
+    held = arena.alloc(tokens)  # consecutive rows, as a fresh arena hands them out
+    for layer in range(layers):
+        arena.write(layer, held, k[:tokens], v[:tokens])
+    gathered, in_place = _estimator(tokens, layers, slots, pools["full copy"][0])
+    paths = {"full copy": full_copy, "codec, torch": codec_torch, "codec, one pass": one_pass,
+             "verify: checksum, gathered": lambda: arena.checksum_ref(held),
+             "verify: checksum, in place": lambda: arena.checksum(held),
+             "estimator: rows, gathered": gathered, "estimator: rows, in place": in_place}
     ms = {p: [1e3 * s for s in samples_s(fn, repeats, warmup=1)] for p, fn in paths.items()}
     same = all(torch.equal(pools["codec, torch"][i], pools["codec, one pass"][i])
                for i in range(2))
     return {"codec": codec, "threads": torch.get_num_threads(), "tokens": tokens,
             "layers": layers, "ms": {p: spread(x)._asdict() for p, x in ms.items()},
-            "one_pass_equals_torch": same}
+            "one_pass_equals_torch": same,
+            "checksums_equal": arena.checksum(held) == arena.checksum_ref(held)}
+
+
+def _estimator(tokens: int, layers: int, slots: torch.Tensor, k_buf: torch.Tensor):
+    """Two callables: the estimator's rows of a 30-token follow-up over ``tokens`` keys at
+    every layer, over gathered keys and read in place."""
+    from sgl_spec.attention.batch import BatchView
+    from sgl_spec.attention.observe import KrulObserver
+
+    new = 30
+    r2t = torch.zeros(1, tokens, dtype=torch.int32)
+    r2t[0] = slots.int()
+    view = BatchView("extend", ("follow-up",), (tokens,), (0,), (new,), True, r2t,
+                     torch.tensor([0]), torch.tensor([tokens]),
+                     torch.zeros(new, dtype=torch.int64), slots[tokens - new:].long())
+    q = torch.randn(new, 3 * H, D).bfloat16()
+
+    def play(in_place: bool):
+        obs = KrulObserver(layers)
+        plan = obs.plan(view)
+        if not in_place:
+            plan = plan._replace(req_to_token=None)
+        for layer in range(layers):
+            obs.run(plan, layer, q, k_buf, D ** -0.5,
+                    lambda i: k_buf.index_select(0, slots.long()))
+
+    return (lambda: play(False)), (lambda: play(True))
 
 
 def markdown(res: dict) -> str:
@@ -83,7 +130,9 @@ def markdown(res: dict) -> str:
     head = (f"One restore of {c['tokens']} tokens x {c['layers']} layers (3 KV heads, head_dim "
             f"64, bf16 pool) written layer by layer, median (min-max) of {c['repeats']}.")
     return "\n".join([head, "", *render.table(
-        ["codec", "threads", "path", "ms", "vs full copy"], rows)]) + "\n"
+        ["codec", "threads", "path", "ms", "vs full copy"], rows), "",
+        "Checksums equal (in place = gathered): " + ", ".join(
+            f"{pt['codec']}: {pt['checksums_equal']}" for pt in res["points"])]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
