@@ -95,6 +95,7 @@ class _Bench:
         self.rows = torch.arange(batch)
         self.lens = [0] * batch
         self.rids = tuple(f"calib-{i}" for i in range(batch))
+        self.ids = torch.randint(0, vocab, (batch,), generator=self.gen)
         self.head = None
         policy = None
         if cfg.mode != "exact":
@@ -125,15 +126,14 @@ class _Bench:
         self.q = torch.randn(batch, shape.num_q_heads, shape.head_dim,
                              generator=self.gen).to(shape.kv_dtype)
         self.out = torch.empty_like(self.q)
-        self.ids = torch.randint(0, vocab, (batch,), generator=self.gen)
 
     def _view(self, mode: str, n: int) -> BatchView:
         """A pass adding ``n`` tokens to every request."""
         seq = tuple(s + n for s in self.lens)
         loc = torch.cat([self.req_to_token[i, s:s + n] for i, s in enumerate(self.lens)]).long()
-        ids = torch.randint(0, self.vocab, (self.batch * n,), generator=self.gen)
-        if mode == "decode":  # a drifting context, not a jump (see the module docstring)
-            ids = self.ids
+        # decode: the same token each step, the context drifting (see the module docstring)
+        ids = self.ids if mode == "decode" else torch.randint(
+            0, self.vocab, (self.batch * n,), generator=self.gen)
         return BatchView(mode, self.rids, seq, tuple(range(self.batch)),
                          (n,) * self.batch if mode == "extend" else (), True,
                          self.req_to_token, self.rows, torch.tensor(seq), ids, loc)
