@@ -131,7 +131,8 @@ def test_on_cuda_rows_are_computed_on_the_gpu_and_folded_by_the_worker():
 
 
 def test_an_extend_observes_one_row_per_tokens_per_row_new_tokens():
-    """A short follow-up over a long history observes one row; a long prefill its 8."""
+    """A short follow-up over a long history observes no row (its accumulator still
+    carries the conversation's sums); a 600-token turn 4; a long prefill its 8."""
     obs = KrulObserver(L, ObserveConfig(worker=False))
     r2t = torch.arange(5000).int()[None]
 
@@ -139,9 +140,11 @@ def test_an_extend_observes_one_row_per_tokens_per_row_new_tokens():
         b = BatchView("extend", rids=("a",), extend_lens=(new,), seq_lens=(history + new,),
                       pool_rows=(0,), req_to_token=r2t, rows=torch.tensor([0]),
                       seq_lens_t=torch.tensor([history + new]))
-        return len(obs.plan(b).items[0].q_pos)
+        plan = obs.plan(b)
+        return 0 if plan is None else len(plan.items[0].q_pos)
 
-    assert rows_of(4096, 30) == 1 and rows_of(0, 600) == 4 and rows_of(0, 4096) == 8
+    assert rows_of(4096, 30) == 0 and obs.stats("a") is not None
+    assert rows_of(4096, 128) == 1 and rows_of(0, 600) == 4 and rows_of(0, 4096) == 8
     with pytest.raises(ValueError, match="must be positive"):
         ObserveConfig(tokens_per_row=0)
 

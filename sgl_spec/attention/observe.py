@@ -50,9 +50,11 @@ MAX_SEEDS = 4096  # seeds kept for requests not yet observed (matched, then abor
 @dataclass(frozen=True)
 class ObserveConfig:
     prefill_rows: int = 8  # query positions observed per extend, at most
-    # ... and one per this many new tokens (at least one): a row costs the same over the
+    # ... and one per this many new tokens (none under it): a row costs the same over the
     # history whatever the extend's length, so a 30-token follow-up over a 4k history
-    # observing 8 rows spent ~130 ms of its ~0.7 s TTFT on this CPU (2026-11-27)
+    # observing 8 rows spent ~130 ms of its ~0.7 s TTFT on this CPU (2026-11-27), and one
+    # row, read in place, still ~28 ms of ~0.33 s (8%) in a served profile; a 128-token
+    # extend pays that for ~4x the compute (about the 3% the issue allows)
     tokens_per_row: int = 128
     decode_every: int = 64  # decode steps between observed ones (a step's rows at 30
     # layers and 4k keys took ~50 ms on a 2-core CPU over gathered keys, ~11 ms read in
@@ -213,8 +215,10 @@ class KrulObserver:
             for i, (rid, n, e, row) in enumerate(zip(batch.rids, batch.seq_lens,
                                                      batch.extend_lens, batch.pool_rows)):
                 # a one-token extend (a decode step in a mixed batch) as a decode step
-                if e > 1 or (e == 1 and n % every == 0):
-                    rows = min(self.cfg.prefill_rows, max(1, e // self.cfg.tokens_per_row))
+                rows = 1 if e == 1 else min(self.cfg.prefill_rows, e // self.cfg.tokens_per_row)
+                if e > 1 and rows == 0:  # a short turn: a row would cost more than its share
+                    self._accumulator(rid)  # of TTFT; its sums carry on (decode rows add)
+                elif e > 1 or (e == 1 and n % every == 0):
                     pos = torch.tensor(prefill_positions(rid, n - e, e, rows))
                     items.append(Observed(rid, i, q_start + pos - (n - e), pos, None,
                                           self.folder is not None,
