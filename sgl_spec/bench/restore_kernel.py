@@ -21,8 +21,10 @@ And what else a Krul follow-up pays that HiCache's does not, per codec:
 * ``verify: checksum, in place``: runs of consecutive rows hashed where they lie
   (``Arena.checksum``, what a restore runs);
 * ``estimator: rows, gathered`` / ``estimator: rows, in place``: Krul's estimator observing
-  one query row of a 30-token follow-up at every layer (``observe.KrulObserver``), over
-  keys gathered from the pool, and read in place by the C++ kernel (what it runs on CPU).
+  one query row of a follow-up at every layer over the whole history
+  (``observe.KrulObserver``; a turn of 128 new tokens observes one row, a shorter one
+  none), over keys gathered from the pool, and read in place by the C++ kernel (what it
+  runs on CPU).
 
 Median, min and max milliseconds of ``--repeats`` after a warm-up; each path's pool rows
 are checked equal to the torch path's, the two checksums equal. Writes results.json and
@@ -93,10 +95,11 @@ def run(codec: str, tokens: int, layers: int, repeats: int) -> dict:
 
 
 def _estimator(tokens: int, layers: int, slots: torch.Tensor, k_buf: torch.Tensor):
-    """Two callables: the estimator's rows of a 30-token follow-up over ``tokens`` keys at
-    every layer, over gathered keys and read in place."""
+    """Two callables: the estimator's one row of a 30-token follow-up over ``tokens`` keys
+    at every layer (observed as a 128-token turn is), over gathered keys and read in
+    place."""
     from sgl_spec.attention.batch import BatchView
-    from sgl_spec.attention.observe import KrulObserver
+    from sgl_spec.attention.observe import KrulObserver, ObserveConfig
 
     new = 30
     r2t = torch.zeros(1, tokens, dtype=torch.int32)
@@ -107,7 +110,7 @@ def _estimator(tokens: int, layers: int, slots: torch.Tensor, k_buf: torch.Tenso
     q = torch.randn(new, 3 * H, D).bfloat16()
 
     def play(in_place: bool):
-        obs = KrulObserver(layers)
+        obs = KrulObserver(layers, ObserveConfig(tokens_per_row=new, worker=False))
         plan = obs.plan(view)
         if not in_place:
             plan = plan._replace(req_to_token=None)
