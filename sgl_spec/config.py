@@ -139,9 +139,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-krul-strategy", "krul", "strategy", "choice",
          "Krul: where a conversation's layer pairs come from. 'conversation': Algorithm 1 "
          "on its own attention, which the attention path samples as it serves the "
-         "conversation (a prefill row per 128 new tokens, 8 at most, none in a shorter turn; "
-         "every 64th decode "
-         "step); "
+         "conversation (a prefill row per 128 new tokens, 8 at most, none in a shorter "
+         "turn; every 64th decode step); "
          "'model': the model's statistics (--spec-krul-stats), one strategy for all "
          "(the paper's Krul (Fix)), also the fallback for a conversation not yet observed.",
          ("conversation", "model")),

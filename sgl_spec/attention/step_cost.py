@@ -191,10 +191,14 @@ class _Bench:
         self.lens = [s + 1 for s in self.lens]
 
 
+def _covered(cfg: DecodeConfig) -> int:
+    """The longest history the budget, sink, window and the last prompt chunk cover."""
+    return _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window
+
+
 def measurable(cfg: DecodeConfig, histories=HISTORIES) -> tuple[int, ...]:
-    """The histories a sparse step of ``cfg`` can be timed at (longer than the budget,
-    sink, window and the last prompt chunk cover)."""
-    return tuple(h for h in histories if h > _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window)
+    """The histories a sparse step of ``cfg`` can be timed at."""
+    return tuple(h for h in histories if h > _covered(cfg))
 
 
 def crossover(histories, exact_s, sparse_s) -> int:
@@ -208,26 +212,29 @@ def crossover(histories, exact_s, sparse_s) -> int:
     return best
 
 
+def check(cfg: DecodeConfig, histories) -> None:
+    """ValueError, naming the valid choices, where ``cfg`` at ``histories`` cannot be
+    measured (before a model or head is prepared)."""
+    if cfg.mode == "exact":
+        raise ValueError("--spec-mode exact has nothing to calibrate; valid: "
+                         + ", ".join(m for m in MODES if m != "exact"))
+    if min(histories) <= _covered(cfg):
+        raise ValueError(f"history {min(histories)} is covered by the budget, sink and window "
+                         f"({cfg.budget} + {cfg.sink} + {cfg.window}, after a {_LAST_CHUNK}-token "
+                         f"last chunk); valid: histories > {_covered(cfg)}")
+
+
 def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
             steps: int = 32, repeats: int = 3, threads: int | None = None,
-            progress: bool = True, dry_run: bool = False) -> dict | None:
+            progress: bool = True) -> dict:
     """Seconds per decode step (attention and planning, every layer) of ``cfg``'s server
     with every history sparse and with none, at each history; ``steps`` timed (for
     LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
     rows interleaved over ``repeats`` rounds. ValueError on what cannot be measured
-    (``dry_run``: only that check)."""
+    (``check``)."""
     from tqdm import tqdm
 
-    if cfg.mode == "exact":
-        raise ValueError("--spec-mode exact has nothing to calibrate; valid: "
-                         + ", ".join(m for m in MODES if m != "exact"))
-    covered = _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window
-    if min(histories) <= covered:
-        raise ValueError(f"history {min(histories)} is covered by the budget, sink and window "
-                         f"({cfg.budget} + {cfg.sink} + {cfg.window}, after a {_LAST_CHUNK}-token "
-                         f"last chunk); valid: histories > {covered}")
-    if dry_run:
-        return None
+    check(cfg, histories)
     if threads:
         torch.set_num_threads(threads)
     shape, hidden, vocab = model_shape(model_path, torch.bfloat16)

@@ -184,7 +184,7 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     from sgl_spec.bench.cli import model_path
 
     try:  # the flags' own checks before a model or head is prepared
-        step_cost.profile("", cfg, tuple(args.histories), dry_run=True)
+        step_cost.check(cfg, args.histories)
     except ValueError as exc:
         dp.error(str(exc))
     model = model_path(dp, args.model_path)
