@@ -399,3 +399,24 @@ def test_specontext_flags_are_checked():
         Decoder(SHAPE, get_policy("specontext", CFG, SHAPE), prefetch="stream")
     with pytest.raises(ValueError, match="needs the KV pool's layers"):
         Decoder(SHAPE, get_policy("specontext", CFG, SHAPE), prefetch="thread")
+
+
+def test_training_capture_keeps_only_the_last_logits_and_the_same_targets(model_path):
+    """``capture`` asks the target for one position's logits (``logits_to_keep=1``: the LM
+    head over every position is a quarter of a long pass on a 151k vocabulary); the aux
+    states and attention rows it keeps equal those of a full forward."""
+    from sgl_spec.head import data, train
+
+    model, tok, rec = train.load_target(model_path)
+    cfg = train.head_config(model)
+    sample = data.make(tok, 384, seed=3)
+    got = train.capture(model, rec, sample, cfg.aux_layers)
+    rec.start(torch.tensor(sample.queries))
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor(sample.ids)[None], output_hidden_states=True,
+                     use_cache=False)
+    assert full.logits.shape[1] == len(sample.ids)  # the reference computed every position
+    want_aux = torch.stack([full.hidden_states[i][0] for i in cfg.aux_layers], 1)
+    torch.testing.assert_close(got.aux, want_aux.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(got.target, rec.sum / rec.layers, rtol=0, atol=0)
+    rec.rows = None
