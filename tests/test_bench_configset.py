@@ -186,6 +186,24 @@ def test_cli_help_and_bad_config_file(tmp_path, capsys):
     assert exc.value.code == 2 and "--resume" in capsys.readouterr().err
 
 
+def test_server_flags_reach_every_row(tmp_path, capsys):
+    sets = configset.load(configset.DEFAULT_PATH)
+    fp32 = sets.with_flags(["--dtype", "float32"])
+    assert [c.flags[-2:] for c in fp32.configs] == [("--dtype", "float32")] * len(sets.configs)
+    assert [c.flags[:-2] for c in fp32.configs] == [c.flags for c in sets.configs]
+    assert sets.with_flags([]) is sets
+    with pytest.raises(ValueError, match="set by the harness"):
+        sets.with_flags(["--port", "1"])
+    from sgl_spec.bench.__main__ import main
+
+    for argv, msg in ((["--server-flags=--port 1"], "set by the harness"),
+                      (["--url", "http://127.0.0.1:1", "--server-flags", "--dtype float32"],
+                       "already running")):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--out", str(tmp_path / "o")])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err
+
+
 def test_run_plan_presets_and_validation():
     quick = runner.RunPlan.preset(True)
     assert quick.dataset == "quick" and quick.longgen_max_tokens == 256

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 
@@ -59,6 +60,10 @@ def build_parser():
     p.add_argument("--rows", nargs="+", metavar="NAME",
                    help="play only these rows of --configs, besides its first row (the "
                    "speed baseline) and its reference row")
+    p.add_argument("--server-flags", default="", metavar="'FLAGS'",
+                   help="sglang/sgl_spec flags appended to every row's, one string "
+                   "(e.g. --server-flags='--dtype float32': a CPU without AVX512-BF16 runs bf16 GEMMs ~4x "
+                   "slower than float32); they are part of each row's --resume fingerprint")
     p.add_argument("--resume", action="store_true",
                    help="reuse the rows an earlier run with the same --out, inputs and "
                    "flags left (turns-<row>.json) instead of playing them again; the "
@@ -110,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         sets = None if args.url else configset.load(args.configs or configset.DEFAULT_PATH)
         if sets is not None and args.rows:
             sets = sets.only(args.rows)
+        if args.server_flags:
+            if args.url:
+                raise ValueError("--server-flags are given to the servers the harness "
+                                 "starts; with --url the server is already running")
+            sets = sets.with_flags(shlex.split(args.server_flags))
         set_plan = (sets.plan if sets else
                     configset.load(args.configs).plan if args.configs else None)
         plan = run_plan.choose(set_plan, args.quick, args.concurrency)

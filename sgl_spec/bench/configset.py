@@ -182,6 +182,14 @@ class ConfigSet:
                        followup_speedup=tuple(p for p in self.followup_speedup
                                               if p[0] in keep))
 
+    def with_flags(self, flags: list[str]) -> ConfigSet:
+        """Every row with ``flags`` appended (``--server-flags``: e.g. ``--dtype float32``
+        on a CPU whose bf16 GEMMs are slow); ValueError for a flag the harness sets."""
+        if not flags:
+            return self
+        return replace(self, configs=tuple(replace(c, flags=(*c.flags, *flags))
+                                           for c in self.configs))
+
     @property
     def baseline(self) -> ServerConfig:
         """The row speed ratios are taken against: the first."""
