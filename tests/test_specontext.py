@@ -403,7 +403,7 @@ def test_specontext_flags_are_checked():
 
 def test_training_capture_keeps_only_the_last_logits_and_the_same_targets(model_path):
     """``capture`` asks the target for one position's logits (``logits_to_keep=1``: the LM
-    head over every position is a quarter of a long pass on a 151k vocabulary); the aux
+    head over every position was ~1/5 of a long pass on a 151k vocabulary); the aux
     states and attention rows it keeps equal those of a full forward."""
     from sgl_spec.head import data, train
 

@@ -61,9 +61,9 @@ def build_parser():
                    help="play only these rows of --configs, besides its first row (the "
                    "speed baseline) and its reference row")
     p.add_argument("--server-flags", default="", metavar="'FLAGS'",
-                   help="sglang/sgl_spec flags appended to every row's, one string "
-                   "(e.g. --server-flags='--dtype float32': a CPU without AVX512-BF16 runs bf16 GEMMs ~4x "
-                   "slower than float32); they are part of each row's --resume fingerprint")
+                   help="sglang/sgl_spec flags appended to every row's, one string (e.g. "
+                   "--server-flags='--dtype float32': a CPU without AVX512-BF16 runs bf16 "
+                   "GEMMs ~4.5x slower than float32); part of each row's --resume fingerprint")
     p.add_argument("--resume", action="store_true",
                    help="reuse the rows an earlier run with the same --out, inputs and "
                    "flags left (turns-<row>.json) instead of playing them again; the "
