@@ -275,11 +275,11 @@ def test_rows_read_in_place_equal_the_gathered_reference(dtype):
     keys = k_buf[req_to_token[2, :n].long()]
     for pos in (torch.tensor([7, 150, 298, 299]), torch.tensor([299])):
         q = torch.randn(len(pos), hq, d, generator=g).bfloat16()
-        ob = Observed("r", 0, torch.arange(len(pos)), pos, None, False, None, 2, n)
+        ob = Observed("r", 0, torch.arange(len(pos)), pos, False, False, None, 2, n)
         got = _rows_in_place(q, k_buf, req_to_token, ob, 0.125)
         assert got is not None and got.shape == (len(pos), hq, n)
         torch.testing.assert_close(got, attention_rows_ref(q, keys, pos, 0.125),
                                    rtol=1e-4, atol=1e-6)
         assert float(got[0, :, int(pos[0]) + 1:].abs().sum()) == 0.0
-    ob = Observed("r", 0, torch.arange(1), torch.tensor([5]), None, False, None, 2, n)
+    ob = Observed("r", 0, torch.arange(1), torch.tensor([5]), True, False, None, 2, n)
     assert _rows_in_place(q[:1], k_buf, None, ob, 0.125) is None   # no pool rows: gather

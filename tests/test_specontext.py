@@ -410,7 +410,12 @@ def test_training_capture_keeps_only_the_last_logits_and_the_same_targets(model_
     model, tok, rec = train.load_target(model_path)
     cfg = train.head_config(model)
     sample = data.make(tok, 384, seed=3)
+    seen = []  # positions the LM head ran over in capture
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda mod, args, out: seen.append(args[0].shape[1]))
     got = train.capture(model, rec, sample, cfg.aux_layers)
+    hook.remove()
+    assert seen == [1]
     rec.start(torch.tensor(sample.queries))
     with torch.no_grad():
         full = model(input_ids=torch.tensor(sample.ids)[None], output_hidden_states=True,

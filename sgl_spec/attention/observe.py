@@ -80,7 +80,7 @@ class Observed(NamedTuple):
     index: int  # its place in the pass (the extend span)
     q_idx: torch.Tensor  # [m] rows of the pass's q
     q_pos: torch.Tensor  # [m] their positions in the sequence
-    slots: torch.Tensor | None  # decode: [n] KV slots of positions 0..n-1 (extend: the span's)
+    decode: bool  # a decode row (its keys: positions 0..n-1 of its req_to_token row)
     deferred: bool  # prefill rows: folded on the worker
     step: Step
     row: int  # its req_to_token row
@@ -206,9 +206,8 @@ class KrulObserver:
             every = self.cfg.decode_every
             for i, (rid, n, row) in enumerate(zip(batch.rids, batch.seq_lens, batch.pool_rows)):
                 if n % every == 0:
-                    slots = batch.req_to_token[row, :n].long()
                     items.append(Observed(rid, i, torch.tensor([i]), torch.tensor([n - 1]),
-                                          slots, False, self._accumulator(rid).step(), row, n))
+                                          True, False, self._accumulator(rid).step(), row, n))
         elif batch.mode == "extend":
             q_start = 0
             every = self.cfg.decode_every
@@ -220,7 +219,7 @@ class KrulObserver:
                     self._accumulator(rid)  # of TTFT; its sums carry on (decode rows add)
                 elif e > 1 or (e == 1 and n % every == 0):
                     pos = torch.tensor(prefill_positions(rid, n - e, e, rows))
-                    items.append(Observed(rid, i, q_start + pos - (n - e), pos, None,
+                    items.append(Observed(rid, i, q_start + pos - (n - e), pos, False,
                                           self.folder is not None,
                                           self._accumulator(rid).step(), row, n))
                 q_start += e
@@ -236,10 +235,11 @@ class KrulObserver:
             qo = q.index_select(0, ob.q_idx.to(q.device))
             rows = _rows_in_place(qo, k_buf, plan.req_to_token, ob, scale)
             if rows is None:  # not a call the C++ kernel takes: gather the keys
-                k = k_buf.index_select(0, ob.slots) if ob.slots is not None else span_keys(ob.index)
+                k = (k_buf.index_select(0, plan.req_to_token[ob.row, :ob.n].long()) if ob.decode
+                     else span_keys(ob.index))
                 rows = attention_rows(qo, k, ob.q_pos, scale)
             if layer == 0:
-                self.rows["decode" if ob.slots is not None else "prefill"] += rows.shape[0] * rows.shape[1]
+                self.rows["decode" if ob.decode else "prefill"] += rows.shape[0] * rows.shape[1]
             rows = rows.cpu()
             if ob.deferred:
                 fold = lambda ob=ob, rows=rows: _fold(ob.step, layer, rows, ob.q_pos, last)  # noqa: E731
