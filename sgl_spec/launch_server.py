@@ -213,7 +213,7 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool 
                         ) -> spec_config.SpecConfig:
     """``cfg`` with ``min_context`` raised to where ``--spec-decode-profile`` found the
     sparse mode faster than exact on this host; ValueError where the profile measured
-    other decode flags or another model, or where this host serves on CUDA."""
+    other decode flags, another model or KV dtype, or where this host serves on CUDA."""
     if cfg.disable or not cfg.decode.profile_path:
         return cfg
     import dataclasses
@@ -230,8 +230,9 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool 
         shape = step_cost.shape_of(config) if config is not None else None
     except KeyError:  # not a config this check reads
         shape = None
+    kv = step_cost.kv_dtype(_value(argv, "--dtype"), _value(argv, "--kv-cache-dtype"), config)
     try:
-        n = step_cost.min_context(prof, cfg.decode, shape)
+        n = step_cost.min_context(prof, cfg.decode, shape, kv)
     except ValueError as exc:
         raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r}: {exc}") from None
     d = cfg.decode

@@ -234,3 +234,20 @@ def test_conversations_filter_names_the_valid_ones(model_path, tmp_path, capsys)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--conversations: unknown nope; valid: qa-" in err and "qa-0-0," not in err
+
+
+def test_seed_draws_other_conversations_of_the_preset(model_path, tmp_path, capsys):
+    from sgl_spec.bench.__main__ import main
+
+    base = ["--quick", "--model-path", model_path, "--url", "http://127.0.0.1:1",
+            "--out", str(tmp_path / "o")]
+    # the name filter lists the drawn dataset's names: seed 1 names its conversations qa-1-*
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--seed", "1", "--conversations", "qa-0-0"])
+    assert exc.value.code == 2
+    assert "unknown qa-0-0; valid: qa-1-0 .. qa-1-2 (3 conversations)" in capsys.readouterr().err
+    for argv, msg in ((["--seed", "1", "--dataset", str(tmp_path / "d.jsonl")], "drop one"),
+                      (["--seed", "-1"], "--seed must be >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            main([*base, *argv])
+        assert exc.value.code == 2 and msg in capsys.readouterr().err

@@ -87,6 +87,31 @@ def test_a_profile_of_other_flags_or_another_model_is_refused(tmp_path):
         with_decode_profile(cfg, [])
 
 
+def test_a_profile_of_another_kv_dtype_is_refused(tmp_path):
+    """A profile without the field timed bfloat16 (every one before it): a float32 server
+    computes its steps at other speeds on a CPU without AVX512-BF16."""
+    path = _profile(tmp_path, cross=4096)
+    model = _model(tmp_path)
+    cfg, _ = split_argv(["--spec-mode", "loopserve", "--spec-decode-profile", path])
+    assert with_decode_profile(cfg, ["--model-path", model]).decode.min_context == 4096
+    for argv in (["--dtype", "float32"], ["--dtype=float"], ["--kv-cache-dtype", "fp8_e5m2"]):
+        with pytest.raises(ValueError) as exc:
+            with_decode_profile(cfg, ["--model-path", model, *argv])
+        want = "float32" if "float" in argv[-1] else "fp8_e5m2"
+        assert f"a bfloat16 KV pool (this server: {want})" in str(exc.value)
+        assert "--dtype" in str(exc.value)
+    prof = json.loads(open(path).read())
+    prof["kv_dtype"] = "float32"
+    open(path, "w").write(json.dumps(prof))
+    assert with_decode_profile(cfg, ["--model-path", model, "--dtype", "float32"]
+                               ).decode.min_context == 4096
+    with pytest.raises(ValueError, match="a float32 KV pool \\(this server: bfloat16\\)"):
+        with_decode_profile(cfg, ["--model-path", model])
+    assert step_cost.kv_dtype("auto", "auto", {"torch_dtype": "float16"}) == "float16"
+    assert step_cost.kv_dtype(None, None, {"torch_dtype": "float32"}) == "bfloat16"
+    assert step_cost.kv_dtype("half", None, None) == "float16"
+
+
 def test_bad_profiles_exit_2_before_sglang_loads(tmp_path, capsys):
     bad = tmp_path / "decode.json"
     for text in ("{", "{}", "[1]", '{"format": 1, "shape": {"num_layers": 30}, '
@@ -133,7 +158,7 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
     out = tmp_path / "decode.json"
     flags = ["--spec-mode", "specontext", "--spec-budget", "256", "--spec-draft-path", head]
     run = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode", "--quick",
-                          "--threads", "1", "--out", str(out), *flags],
+                          "--threads", "1", "--dtype", "float32", "--out", str(out), *flags],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == str(out)
@@ -144,9 +169,12 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
     for c in prof["sparse_counts"]:  # every timed step sparse, each loading part of B
         assert c["sparse_steps"] == prof["steps"] and c["exact_steps"] == 0
         assert 0 < c["rows_loaded"] < 256 and 0 < c["overlap"] < 1
+    assert prof["kv_dtype"] == "float32" and "float32 KV" in run.stdout
     cfg, _ = split_argv([*flags, "--spec-decode-profile", str(out)])
-    got = with_decode_profile(cfg, ["--model-path", model_path]).decode
+    got = with_decode_profile(cfg, ["--model-path", model_path, "--dtype", "float32"]).decode
     assert got.mode in ("specontext", "exact")
+    with pytest.raises(ValueError, match="float32 KV pool"):   # the model's own bfloat16
+        with_decode_profile(cfg, ["--model-path", model_path])
     bad = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--spec-mode exact has nothing to calibrate" in bad.stderr

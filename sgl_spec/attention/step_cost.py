@@ -57,6 +57,21 @@ MATCH = ("mode", "budget", "sink", "window", "nd", "first_select_step", "dense_l
          "prefetch")
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # calibrate decode --dtype
+
+
+def kv_dtype(dtype: str | None, kv_cache_dtype: str | None, config: dict | None) -> str:
+    """The KV pool dtype of a server given these sglang flags (None: not given): its
+    ``--kv-cache-dtype`` unless auto, else the model's ``--dtype``, whose ``auto`` is the
+    config's 16-bit ``torch_dtype`` (bfloat16 otherwise, as sglang downcasts float32)."""
+    if kv_cache_dtype and kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    if dtype and dtype != "auto":
+        return {"half": "float16", "float": "float32"}.get(dtype, dtype)
+    given = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
+    return given if given in ("bfloat16", "float16") else "bfloat16"
+
+
 def shape_of(config: dict) -> dict:
     """The attention shape a profile records, from a model's config.json dict."""
     heads = config["num_attention_heads"]
@@ -226,18 +241,22 @@ def check(cfg: DecodeConfig, histories) -> None:
 
 def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
             steps: int = 32, repeats: int = 3, threads: int | None = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, dtype: str = "bfloat16") -> dict:
     """Seconds per decode step (attention and planning, every layer) of ``cfg``'s server
     with every history sparse and with none, at each history; ``steps`` timed (for
     LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
-    rows interleaved over ``repeats`` rounds. ValueError on what cannot be measured
-    (``check``)."""
+    rows interleaved over ``repeats`` rounds, over a KV pool of ``dtype`` (the served
+    model's: a CPU without AVX512-BF16 computes bfloat16 slower than float32).
+    ValueError on what cannot be measured (``check``)."""
     from tqdm import tqdm
 
     check(cfg, histories)
     if threads:
         torch.set_num_threads(threads)
-    shape, hidden, vocab = model_shape(model_path, torch.bfloat16)
+    if dtype not in DTYPES[1:]:
+        raise ValueError(f"dtype {dtype!r} is not one calibrate decode times; valid: "
+                         + ", ".join(DTYPES[1:]))
+    shape, hidden, vocab = model_shape(model_path, getattr(torch, dtype))
     head = _load_head(cfg) if cfg.retrieval_head else None
     warm = 2
     if cfg.mode == "loopserve":
@@ -281,6 +300,7 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
         "shape": {k: getattr(shape, k) for k in ("num_layers", "num_q_heads", "num_kv_heads",
                                                  "head_dim")},
         "decode": {k: getattr(cfg, k) for k in MATCH},
+        "kv_dtype": dtype,
         "batch": batch, "steps": steps, "repeats": repeats,
         "histories": list(histories),
         "exact_s": med["exact"], "sparse_s": med["sparse"],
@@ -319,18 +339,23 @@ def read_profile(path: str) -> dict:
     return prof
 
 
-def min_context(prof: dict, cfg: DecodeConfig, shape: dict | None = None) -> int:
+def min_context(prof: dict, cfg: DecodeConfig, shape: dict | None = None,
+                kv: str | None = None) -> int:
     """The ``min_context`` a server of ``cfg`` uses with this profile: the larger of its
     own and the profile's crossover (``NEVER`` where the mode paid nowhere). ValueError
-    where the profile measured another config or (``shape``, as the profile's) model."""
+    where the profile measured another config, (``shape``, as the profile's) model or
+    (``kv``, ``kv_dtype``) KV dtype."""
     diff = [f"{k} {prof['decode'][k]!r} (this server: {getattr(cfg, k)!r})"
             for k in MATCH if prof["decode"][k] != getattr(cfg, k)]
     for k, v in (shape or {}).items():
         if prof["shape"].get(k) != v:
             diff.append(f"{k} {prof['shape'].get(k)} (this model: {v})")
+    measured = prof.get("kv_dtype", "bfloat16")  # profiles before the field timed bfloat16
+    if kv is not None and measured != kv:
+        diff.append(f"a {measured} KV pool (this server: {kv})")
     if diff:
         raise ValueError("the decode profile was measured with " + ", ".join(diff)
                          + "; valid: a profile from python -m sgl_spec.calibrate decode "
-                         "with this server's --spec-* decode flags and --model-path")
+                         "with this server's --spec-* decode flags, --dtype and --model-path")
     cross = NEVER if prof["crossover"] is None else int(prof["crossover"])
     return max(cfg.min_context, cross)

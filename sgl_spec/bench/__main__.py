@@ -28,6 +28,7 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 
 from sgl_spec.bench import cli, configset, dataset, plan as run_plan, runner
 from sgl_spec.bench.server import ServerStartError
@@ -74,6 +75,12 @@ def build_parser():
                    "over part of a long preset")
     p.add_argument("--dataset", metavar="JSONL",
                    help="play this saved dataset (dataset.to_jsonl) instead of generating one")
+    p.add_argument("--seed", type=int, metavar="N",
+                   help="draw the plan's dataset preset with this seed (default: the "
+                   "preset's, 0): other conversations of the same shapes, named qa-N-*. "
+                   "A gap of a few points needs more questions than one preset holds: play "
+                   "several seeds into their own --out and pool them with "
+                   "python -m sgl_spec.bench.pool")
     cli.add_common(p, out_required=False,
                    out="output directory (default: results/<YYYYMMDD-HHMMSS>-<set name>)",
                    quick="the quick plan: small dataset, a 256-token long generation, small "
@@ -131,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset_config = dataset.DatasetConfig.preset(plan.dataset)
+    if args.seed is not None:
+        if args.dataset:
+            parser.error("--seed draws a preset's dataset; --dataset plays a saved one: "
+                         "drop one of them")
+        if args.seed < 0:
+            parser.error(f"--seed must be >= 0, got {args.seed}")
+        dataset_config = replace(dataset_config, seed=args.seed)
     if args.dataset:  # the preset still sets the answer budget
         convs = dataset.from_jsonl(args.dataset)
         logger.info("playing %s; answers up to %d tokens", args.dataset,

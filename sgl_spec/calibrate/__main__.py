@@ -139,7 +139,7 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
 
 
 def _decode_args(dp: argparse.ArgumentParser) -> None:
-    from sgl_spec.attention.step_cost import HISTORIES
+    from sgl_spec.attention.step_cost import DTYPES, HISTORIES
     from sgl_spec.config import add_cli_args
 
     dp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
@@ -155,6 +155,10 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="rounds, exact and sparse interleaved (median; default 3)")
     dp.add_argument("--threads", type=int, default=0, metavar="T",
                     help="torch threads (default: torch's, as the server's)")
+    dp.add_argument("--dtype", default="auto", choices=DTYPES,
+                    help="the served model's --dtype, which the KV pool has (default: auto, "
+                         "the config's 16-bit dtype, as sglang; a profile is read only by "
+                         "servers of the same KV dtype)")
     dp.add_argument("--quick", action="store_true",
                     help="histories 1536 and 3072, 4 steps, 1 round (tests)")
     dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
@@ -194,14 +198,16 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
         from sgl_spec.train_head import prepare
 
         cfg = dataclasses.replace(cfg, draft_path=prepare(model))
+    with open(os.path.join(model, "config.json")) as f:
+        dtype = step_cost.kv_dtype(args.dtype, None, json.load(f))
     try:
         prof = step_cost.profile(model, cfg, tuple(sorted(set(args.histories))),
                                  batch=args.batch, steps=args.steps, repeats=args.repeats,
-                                 threads=args.threads or None)
+                                 threads=args.threads or None, dtype=dtype)
     except ValueError as exc:
         dp.error(str(exc))
     print(f"{prof['hardware']} ({prof['cpus']} cpus, {prof['threads']} threads), "
-          f"{prof['shape']['num_layers']} layers, batch {prof['batch']}: "
+          f"{prof['shape']['num_layers']} layers, {dtype} KV, batch {prof['batch']}: "
           f"{cfg.mode} B={cfg.budget} against exact, ms per decode step (attention and plan)")
     print("history   exact ms   sparse ms   sparse/exact")
     for h, e, sp in zip(prof["histories"], prof["exact_s"], prof["sparse_s"]):
