@@ -46,7 +46,7 @@ def _model(tmp_path, layers=30):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
         "num_hidden_layers": layers, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576}))
+        "hidden_size": 576, "torch_dtype": "bfloat16"}))
     return str(model)
 
 
@@ -108,7 +108,8 @@ def test_a_profile_of_another_kv_dtype_is_refused(tmp_path):
     with pytest.raises(ValueError, match="a float32 KV pool \\(this server: bfloat16\\)"):
         with_decode_profile(cfg, ["--model-path", model])
     assert step_cost.kv_dtype("auto", "auto", {"torch_dtype": "float16"}) == "float16"
-    assert step_cost.kv_dtype(None, None, {"torch_dtype": "float32"}) == "bfloat16"
+    assert step_cost.kv_dtype(None, None, {"torch_dtype": "float32"}) == "float16"  # sglang's
+    assert step_cost.kv_dtype(None, None, {"model_type": "gemma2"}) == "bfloat16"
     assert step_cost.kv_dtype("half", None, None) == "float16"
 
 

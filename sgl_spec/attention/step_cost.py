@@ -62,14 +62,17 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")  # calibrate decode --dtype
 
 def kv_dtype(dtype: str | None, kv_cache_dtype: str | None, config: dict | None) -> str:
     """The KV pool dtype of a server given these sglang flags (None: not given): its
-    ``--kv-cache-dtype`` unless auto, else the model's ``--dtype``, whose ``auto`` is the
-    config's 16-bit ``torch_dtype`` (bfloat16 otherwise, as sglang downcasts float32)."""
+    ``--kv-cache-dtype`` unless auto, else the model's ``--dtype``, whose ``auto`` is
+    sglang's: the config's dtype if 16-bit, else float16 (bfloat16 for Gemma)."""
     if kv_cache_dtype and kv_cache_dtype != "auto":
         return kv_cache_dtype
     if dtype and dtype != "auto":
         return {"half": "float16", "float": "float32"}.get(dtype, dtype)
-    given = (config or {}).get("torch_dtype") or (config or {}).get("dtype")
-    return given if given in ("bfloat16", "float16") else "bfloat16"
+    config = config or {}
+    given = config.get("dtype") or config.get("torch_dtype")
+    if given in ("bfloat16", "float16"):
+        return given
+    return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
 
 
 def shape_of(config: dict) -> dict:

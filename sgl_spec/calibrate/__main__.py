@@ -157,8 +157,8 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="torch threads (default: torch's, as the server's)")
     dp.add_argument("--dtype", default="auto", choices=DTYPES,
                     help="the served model's --dtype, which the KV pool has (default: auto, "
-                         "the config's 16-bit dtype, as sglang; a profile is read only by "
-                         "servers of the same KV dtype)")
+                         "as sglang: the config's dtype if 16-bit, else float16); a profile "
+                         "is read only by servers of the same KV dtype")
     dp.add_argument("--quick", action="store_true",
                     help="histories 1536 and 3072, 4 steps, 1 round (tests)")
     dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
