@@ -113,8 +113,8 @@ def pool(runs: Sequence[tuple[str, dict]]) -> dict:
                     raise ValueError(f"{label}: {name} has {k} {p} questions, "
                                      f"{ref_name} {b.get('n')}")
                 n[p] += k
-                hits[p][0] += round(a.get("exact_match", 0) * k)
-                hits[p][1] += round(b.get("exact_match", 0) * k)
+                hits[p][0] += round((a.get("exact_match") or 0) * k)
+                hits[p][1] += round((b.get("exact_match") or 0) * k)
                 gaps[p] = 100.0 * (a["exact_match"] - b["exact_match"]) if k else None
             per_run.append({"run": label, "seed": _seed(res), "gap_points": gaps})
             changed += changes(row, ref, label)
