@@ -424,3 +424,19 @@ def test_resume_reads_back_rows_played_on_the_same_inputs(convs, monkeypatch, tm
     assert mixed["configs"][1]["ratio_across_runs"] is True
     md = tables.markdown(mixed)
     assert "Rows read back from earlier runs" in md and "(other run)" in md
+
+
+def test_server_ports_are_free_and_below_the_ephemeral_range():
+    """A server binds its port minutes after it is chosen; a port of the kernel's
+    source-port range can meanwhile be taken by any outgoing connection (seen in CI:
+    "address already in use" after a 3.5 min boot beside other servers)."""
+    import socket
+
+    from sgl_spec.bench import server
+
+    top = server._ephemeral_start()
+    ports = {server.free_port() for _ in range(20)}
+    assert all(server._LOWEST_PORT <= p < top for p in ports) and len(ports) > 1
+    for p in list(ports)[:3]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))   # still free

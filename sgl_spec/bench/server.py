@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,7 +29,34 @@ STOCK = "sglang.launch_server"
 SPEC = "sgl_spec.launch_server"
 
 
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's range of source ports for outgoing connections begins."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range. A server binds it only after
+    loading (minutes on this CPU), and meanwhile a port of that range can become the
+    source port of any outgoing connection (the health checks of servers booting
+    together), which fails the bind ("address already in use")."""
+    top = _ephemeral_start()
+    if top - _LOWEST_PORT >= 1000:
+        rng = random.Random()
+        for _ in range(100):
+            port = rng.randrange(_LOWEST_PORT, top)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
