@@ -27,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from sgl_spec.bench.dataset import POSITIONS
+from sgl_spec.bench.results import position_deltas
 
 
 def _row(results: dict, name: str) -> dict | None:
@@ -104,7 +105,6 @@ def pool(runs: Sequence[tuple[str, dict]]) -> dict:
         per_run, changed = [], []
         for label, res in runs:
             row, ref = _row(res, name), _row(res, ref_name)
-            gaps = {}
             for p in POSITIONS:
                 a = row["accuracy"]["by_position"].get(p) or {}
                 b = ref["accuracy"]["by_position"].get(p) or {}
@@ -115,8 +115,8 @@ def pool(runs: Sequence[tuple[str, dict]]) -> dict:
                 n[p] += k
                 hits[p][0] += round((a.get("exact_match") or 0) * k)
                 hits[p][1] += round((b.get("exact_match") or 0) * k)
-                gaps[p] = 100.0 * (a["exact_match"] - b["exact_match"]) if k else None
-            per_run.append({"run": label, "seed": _seed(res), "gap_points": gaps})
+            per_run.append({"run": label, "seed": _seed(res),
+                            "gap_points": position_deltas(row, ref)})
             changed += changes(row, ref, label)
         by_pos = {p: {"n": n[p], "exact_match": hits[p][0] / n[p] if n[p] else None,
                       "reference_exact_match": hits[p][1] / n[p] if n[p] else None,
