@@ -59,9 +59,10 @@ def test_a_follow_up_is_classified_by_where_its_history_came_from(meta, history,
     assert sessions._source(meta, history) == source
 
 
-def _answer(session, visit, pos, source, ttft, correct, text="x"):
+def _answer(session, visit, pos, source, ttft, correct, text="x", restore=None):
     return {"session": session, "visit": visit, "position": pos, "prompt_tokens": 1,
-            "ttft_s": ttft, "cached": 0, "source": source, "text": text, "correct": correct}
+            "ttft_s": ttft, "cached": 0, "source": source, "text": text, "correct": correct,
+            "restore_s": restore, "restore_tokens": None}
 
 
 def test_summary_counts_restored_conversations_and_splits_ttft_by_tier():
@@ -98,3 +99,34 @@ def test_rows_differ_only_in_their_cache_flags():
         sessions.row_args("krul-recompute", "M", 1000, 2.0, 9000)
     with pytest.raises(ValueError, match="valid: reference"):
         sessions.row_args("lmcache", "M", 1000, 2.0, 9000)
+
+
+def test_krul_follow_ups_are_paired_with_hicache_ones_of_the_same_visit_round_and_tier():
+    def rnd(*answers):
+        return {"answers": list(answers), "krul_branches": []}
+
+    hicache = [rnd(_answer("s0", 0, "begin", "new", 9, True),
+                   _answer("s0", 1, "middle", "host", 1.0, True, restore=0.10),
+                   _answer("s1", 1, "end", "host", 2.0, True, restore=0.20),
+                   _answer("s1", 2, "begin", "recomputed", 8, True)),
+               rnd(_answer("s0", 1, "middle", "host", 1.0, True, restore=0.10))]
+    krul = [rnd(_answer("s0", 0, "begin", "new", 3, True),          # an opening: not paired
+                _answer("s1", 1, "end", "host", 1.0, True, restore=0.05),   # out of order
+                _answer("s0", 1, "middle", "host", 1.1, True, restore=0.06),
+                _answer("s1", 2, "begin", "host", 1, True, restore=0.05)),  # other tier
+            rnd(_answer("s0", 1, "middle", "host", 1.2, True, restore=0.04))]
+    p = sessions.paired({"krul": krul, "hicache": hicache}, "krul", "hicache")
+    assert p["pairs"] == 3
+    assert p["ttft_ratio"] == pytest.approx((0.5, 1.1, 1.2))
+    assert p["stage_ratio"] == pytest.approx((0.25, 0.4, 0.6))
+    assert p["stage_s"][1] == pytest.approx(0.05) and p["other_stage_s"][1] == pytest.approx(0.1)
+    assert sessions.counterpart("krul+file") == "hicache+file"
+    assert sessions.counterpart("krul-int8") == "hicache"
+    res = {"summary": sessions.summarize({"krul": krul[0], "hicache": hicache[0]}, None),
+           "config": {"conversations": 2, "doc_tokens": 1, "device_tokens": 1,
+                      "host_ratio": 1.0, "rounds": 2},
+           "rows": ["hicache", "krul"], "paired": {"krul vs hicache": p}}
+    md = sessions.markdown(res)
+    assert "krul against hicache, the same follow-up and round, both from the host tier (3 pairs)" in md
+    assert "restore stage 0.25 / 0.40 / 0.60x (median 50.0 ms against 100.0 ms)" in md
+    assert res["summary"]["krul"]["restore_stage_host_s"] == pytest.approx(0.05)

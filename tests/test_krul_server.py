@@ -15,6 +15,7 @@ import requests
 from conftest import EARLY_SERVERS, Early, early_dir, early_server
 from sgl_spec import boot
 from sgl_spec.bench.server import SPEC, flush_cache
+from sgl_spec.cache import restore_clock
 from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
@@ -118,7 +119,8 @@ def _krul(url: str) -> dict:
     out = resp.json()
     branches = [(b["krul_stored_bytes"], b["krul_full_bytes"]) for b in out["branches"]
                 if "krul_full_bytes" in b]
-    return {**out["krul"], "branches": branches, "live": out["live_requests"]}
+    return {**out["krul"], "branches": branches, "live": out["live_requests"],
+            "restore": out["restore"]}
 
 
 def _demote_and_restore(server, model_path):
@@ -193,6 +195,10 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     assert after["recomputed_restores"] == 1, after
     assert 0.5 * share < after["recomputed_token_layers"] / (30 * host) < 1.5 * share, after
     assert after["refused_loads"] == 0
+    # the restore stage's clock: this load-back, its tokens and its time
+    stage = restore_clock.delta(after["restore"], totals["restore"])
+    assert stage["loads"] == 1 and stage["refused"] == 0, stage
+    assert stage["tokens"] >= host and stage["admit_seconds"] > 0, stage
     assert again_ids == ids
     # the same figures beside sglang's metrics
     metrics = requests.get(f"{server.url}/metrics", timeout=60).text
@@ -213,6 +219,8 @@ def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_pat
     ratio = totals["stored_bytes"] / totals["full_bytes"]
     assert 0.3 < ratio < 0.45, totals
     assert after["refused_loads"] >= 1
+    stage = restore_clock.delta(after["restore"], totals["restore"])
+    assert stage["refused"] >= 1, stage
     assert (meta.get("cached_tokens_details") or {}).get("host", 0) == 0, meta
     assert again_ids == ids                  # recomputed exactly, not loaded
     assert after["recompute_share"] == 0 and after["recomputed_restores"] == 0

@@ -11,11 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import requests
 
 from _aborts import abort_streams, wait_until_freed
 from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
+from sgl_spec.cache import restore_clock
 from sgl_spec.head.train import TrainConfig
 from sgl_spec.train_head import head_dir, is_prepared
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
@@ -78,7 +80,13 @@ class TestSpeContextServer:
         assert ROWS / 48 < d["rows_loaded_per_step"] < 0.75 * ROWS
         assert 0.25 < d["selection_overlap"] <= 1.0
         assert d["head_ms_per_pass"] > 0
-        assert after["sgl_spec:sparse_live_states"] == 0  # released when it finished
+        assert after["sgl_spec:sparse_live_states"] == 0
+
+
+def _restore(url: str) -> dict:
+    resp = requests.get(f"{url}/sgl_spec/cache", timeout=60)
+    resp.raise_for_status()
+    return resp.json()["restore"]  # released when it finished
 
     def test_follow_up_turn_reuses_the_cached_prefix(self, server):
         first = chatml("Summarize this text.\n" + _doc("argparse", 4000))
@@ -153,8 +161,15 @@ def test_head_keys_survive_hicache_write_back_and_load(server, model_path):
     before = sparse_metrics(server.url)
     on_device = generate(server.url, first, 32, ignore_eos=True)
     assert generate(server.url, evicting, 8)["meta_info"]["cached_tokens"] < 16
+    clock = _restore(server.url)
     from_host = generate(server.url, first, 32, ignore_eos=True)
     after = sparse_metrics(server.url)
+    # the restore stage, timed on stock's host pool (GET /sgl_spec/cache -> restore)
+    stage = restore_clock.delta(_restore(server.url), clock)
+    assert stage["loads"] >= 1 and stage["refused"] == 0, stage
+    assert stage["tokens"] >= PROMPT_TOKENS // 2 and stage["transfer_seconds"] > 0, stage
+    assert 'sgl_spec:host_restore{figure="tokens"}' in requests.get(
+        f"{server.url}/metrics", timeout=60).text
     assert on_device["meta_info"]["cached_tokens"] > PROMPT_TOKENS
     assert not (on_device["meta_info"].get("cached_tokens_details") or {}).get("host")
     details = from_host["meta_info"].get("cached_tokens_details") or {}

@@ -50,6 +50,7 @@ from sgl_spec.bench import cli, render, timing
 from sgl_spec.bench.dataset import COLOURS, KINDS, OBJECTS, POSITIONS, Fact, draw_values
 from sgl_spec.bench.scoring import exact_match
 from sgl_spec.bench.server import SPEC, ServerProcess
+from sgl_spec.cache import restore_clock
 
 MAX_NEW_TOKENS = 16
 OPENING = "Here is the output of the document tool. Read it; I will ask about it."
@@ -79,6 +80,11 @@ class Answer:
     source: str                # device / host / storage / recomputed / new
     text: str
     correct: bool
+    # the server's host-tier restore stage during this request (GET /sgl_spec/cache ->
+    # restore, before and after): load_back plus the copy into the pool; None without
+    # HiCache
+    restore_s: float | None = None
+    restore_tokens: int | None = None
 
 
 def _plant_at(prose: str, sentences: list[str]) -> str:
@@ -198,10 +204,14 @@ def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
     return base + ["--max-total-tokens", str(device_tokens)] + cache[row]
 
 
-def _krul_branches(url: str) -> list[tuple[int, int]]:
+def _cache(url: str) -> dict:
     r = requests.get(f"{url}/sgl_spec/cache", timeout=60)
     r.raise_for_status()
-    return [(b["krul_stored_bytes"], b["krul_full_bytes"]) for b in r.json()["branches"]
+    return r.json()
+
+
+def _krul_branches(url: str) -> list[tuple[int, int]]:
+    return [(b["krul_stored_bytes"], b["krul_full_bytes"]) for b in _cache(url)["branches"]
             if b.get("krul_full_bytes")]
 
 
@@ -224,12 +234,15 @@ def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_di
                                                  add_generation_prompt=True)
                 # what a revisit can find cached: the previous visit's prompt
                 history = n_tokens(tok, messages(s, visit - 1)) if visit else 0
+                clock = _cache(server.url)["restore"]
                 text, ttft, meta = ask(server.url, prompt)
+                stage = restore_clock.delta(_cache(server.url)["restore"], clock)
                 fact = s.facts[asked(s, visit)]
                 answers.append(Answer(s.name, visit, POSITIONS[asked(s, visit)],
                                       int(meta.get("prompt_tokens", 0)), ttft,
                                       int(meta.get("cached_tokens", 0)), _source(meta, history),
-                                      text, exact_match(text, fact.value)))
+                                      text, exact_match(text, fact.value),
+                                      stage and stage["seconds"], stage and stage["tokens"]))
                 bar.set_description(f"{row}: {s.name} visit {visit} {answers[-1].source} "
                                     f"ttft {ttft:.2f}s")
                 bar.update()
@@ -271,6 +284,8 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
             "ttft_recomputed_s": timing.median(a["ttft_s"] for a in follow
                                                if a["source"] == "recomputed"),
             "ttft_follow_up_s": timing.median(a["ttft_s"] for a in follow),
+            "restore_stage_host_s": timing.median(a.get("restore_s") for a in follow
+                                                  if a["source"] == "host"),
             "krul_stored_over_full": (sum(s for s, _ in r["krul_branches"])
                                       / sum(f for _, f in r["krul_branches"])
                                       if r["krul_branches"] else None),
@@ -280,6 +295,33 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
                 "recompute_seconds")} if r.get("krul") else None,
         }
     return out
+
+
+def counterpart(row: str) -> str:
+    """The HiCache row a Krul row is paired with: the same tiers, a full copy."""
+    return "hicache+file" if row.endswith("+file") else "hicache"
+
+
+def paired(played: dict, row: str, other: str, source: str = "host") -> dict:
+    """``row`` against ``other`` follow-up by follow-up: the same conversation's same
+    visit in the same round, where both restored their history from ``source``. Per
+    pair, the ratio of TTFTs and of the server's restore stages (the one part in which a
+    Krul follow-up and a HiCache one differ); their spreads, and the stage's medians."""
+    ttft, stage, mine, theirs = [], [], [], []
+    for a_round, b_round in zip(played[row], played[other]):
+        b_by = {(b["session"], b["visit"]): b for b in b_round["answers"]}
+        for a in a_round["answers"]:
+            b = b_by.get((a["session"], a["visit"]))
+            if a["visit"] == 0 or b is None or a["source"] != source or b["source"] != source:
+                continue
+            ttft.append(a["ttft_s"] / b["ttft_s"])
+            if a.get("restore_s") and b.get("restore_s"):
+                stage.append(a["restore_s"] / b["restore_s"])
+                mine.append(a["restore_s"])
+                theirs.append(b["restore_s"])
+    sp = timing.spread
+    return {"source": source, "pairs": len(ttft), "ttft_ratio": sp(ttft),
+            "stage_ratio": sp(stage), "stage_s": sp(mine), "other_stage_s": sp(theirs)}
 
 
 def markdown(res: dict) -> str:
@@ -299,6 +341,7 @@ def markdown(res: dict) -> str:
                      str(r["conversations_restored"]),
                      render.num(r["ttft_device_s"], 1e3, 0),
                      render.num(r["ttft_host_s"], 1e3, 0),
+                     render.num(r.get("restore_stage_host_s"), 1e3, 1),
                      render.num(r["ttft_storage_s"], 1e3, 0),
                      render.num(r["ttft_recomputed_s"], 1e3, 0),
                      render.ratio(r["krul_stored_over_full"])])
@@ -306,11 +349,23 @@ def markdown(res: dict) -> str:
         ["row", "EM % begin / middle / end", "follow-ups answered as reference %",
          "follow-ups from device / host / storage / recomputed",
          f"conversations restored (of {cfg['conversations']})",
-         "TTFT ms: device", "host", "storage", "recomputed", "stored / full copy"], rows)
+         "TTFT ms: device", "host", "its restore stage", "storage", "recomputed",
+         "stored / full copy"], rows)
     spread = []
     for name, v in res.get("ttft_rounds", {}).items():
         spread.append(f"- {name}: per round, host / storage / recomputed TTFT (ms): " + ", ".join(
             " / ".join(render.num(x, 1e3, 0) for x in r) for r in v))
+    for key, p in res.get("paired", {}).items():
+        name, other = key.split(" vs ")
+        if not p["pairs"]:
+            continue
+        stage = (f"; restore stage {render.spread_cell(p['stage_ratio'])}x "
+                 f"(median {render.num(p['stage_s'][1], 1e3, 1)} ms against "
+                 f"{render.num(p['other_stage_s'][1], 1e3, 1)} ms)"
+                 if p["stage_ratio"] else "")
+        spread.append(f"- {name} against {other}, the same follow-up and round, both from "
+                      f"the {p['source']} tier ({p['pairs']} pairs), min / median / max: TTFT "
+                      f"{render.spread_cell(p['ttft_ratio'])}x{stage}")
     for name in res["rows"]:
         k = s[name].get("krul_recompute")
         if k and k["recomputed_restores"]:
@@ -380,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
                    "host_ratio": args.host_ratio, "rounds": args.rounds, "seed": args.seed},
         "rows": rows,
         "summary": summary,
+        "paired": {f"{r} vs {counterpart(r)}": paired(played, r, counterpart(r))
+                   for r in rows if r.startswith("krul") and counterpart(r) in played},
         "ttft_rounds": {r: [[summarize({r: p}, None)[r][k] for k in
                              ("ttft_host_s", "ttft_storage_s", "ttft_recomputed_s")] for p in v]
                         for r, v in played.items()},

@@ -45,6 +45,15 @@ class CacheMetrics:
             multiprocess_mode="mostrecent",
         )
 
+        self.host_restore = Gauge(
+            name="sgl_spec:host_restore",
+            documentation="HiCache's host-tier restore stage (stock's copy or Krul's "
+            "rows), running totals: load-backs admitted and refused, tokens, and seconds "
+            "in load_back (admit) and in the scheduler's part of the copy (transfer; on "
+            "a CPU pool the copy itself). Absent without --enable-hierarchical-cache.",
+            labelnames=("figure",),
+            multiprocess_mode="mostrecent",
+        )
         self.krul = None
         if krul:
             self.krul = Gauge(
@@ -68,7 +77,9 @@ class CacheMetrics:
         return True
 
     def update(self, totals: dict, freed_by_rule: dict[str, int],
-               live: dict[str, int] | None = None) -> None:
+               live: dict[str, int] | None = None, restore: dict | None = None) -> None:
+        for figure, n in (restore or {}).items():
+            self.host_restore.labels(figure=figure).set(n)
         for structure, n in (live or {}).items():
             self.live_states.labels(structure=structure).set(n)
         for role in (*ROLES, "reasoning", "untagged"):

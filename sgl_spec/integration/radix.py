@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_spec.cache.metrics import CacheMetrics
+from sgl_spec.cache.restore_clock import RestoreClock
 from sgl_spec.cache.summary import summary, totals
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig, current
@@ -75,6 +76,7 @@ class SpecRadixCache(UnifiedRadixCache):
         if not _walkable(self.tree_core):
             alloc = params.token_to_kv_pool_allocator
             self._slots = SlotTokens(4 * (alloc.size if alloc is not None else 1 << 16))
+        self.restore_clock = RestoreClock()
         self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable) if params.enable_metrics
                              else None)
 
@@ -98,6 +100,24 @@ class SpecRadixCache(UnifiedRadixCache):
         self._evicted_lru += result.num_tokens_evicted
         return result
 
+    def load_back(self, node_id, mem_quota=None, req=None) -> bool:
+        # The host-tier restore stage (``restore_clock``): the same clock on stock's
+        # full copy and on Krul's compressed rows.
+        with self.restore_clock.admitting() as ok:
+            ok[0] = self._load_back(node_id, mem_quota, req)
+        return ok[0]
+
+    def _load_back(self, node_id, mem_quota=None, req=None) -> bool:
+        return super().load_back(node_id, mem_quota, req)
+
+    def ready_to_load_host_cache(self) -> int:
+        cc = self.cache_controller
+        if cc is None or not cc.load_queue:
+            return super().ready_to_load_host_cache()
+        tokens = sum(len(op.device_indices) for op in cc.load_queue)
+        with self.restore_clock.transferring(tokens):
+            return super().ready_to_load_host_cache()
+
     def reset(self):
         super().reset()
         if getattr(self, "_slots", None) is not None:
@@ -117,7 +137,10 @@ class SpecRadixCache(UnifiedRadixCache):
 
     def _update_metrics(self) -> None:
         self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed(),
-                                 HUB.live())
+                                 HUB.live(), self._restore())
+
+    def _restore(self) -> dict | None:
+        return self.restore_clock.totals() if self.cache_controller is not None else None
 
     def summary(self) -> dict:
         """The tree summary served at ``GET /sgl_spec/cache``."""
@@ -126,8 +149,10 @@ class SpecRadixCache(UnifiedRadixCache):
                       eviction=self.spec_cfg.cache.eviction, freed_by_rule=self._freed(),
                       dead=self._dead())
         out["live_requests"] = HUB.live()
+        out["restore"] = self._restore()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
-            self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"])
+            self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"],
+                                     out["restore"])
         return out
 
     def _dead(self) -> dict[int, int] | None:
@@ -212,10 +237,10 @@ class TaggedRadixCache(SpecRadixCache):
         return RadixKey(req.full_untruncated_fill_ids[:end], req.extra_key,
                         cache_salt=req.cache_salt)
 
-    def load_back(self, node_id, mem_quota=None, req=None) -> bool:
+    def _load_back(self, node_id, mem_quota=None, req=None) -> bool:
         # Krul: a compressed node that fails its checksum is never loaded (recomputed).
         if self.krul is None:
-            return super().load_back(node_id, mem_quota, req)
+            return super()._load_back(node_id, mem_quota, req)
         node = self.tree_core.node_by_id(node_id)
         if not self.krul.verify_path(node):
             return False
@@ -224,7 +249,7 @@ class TaggedRadixCache(SpecRadixCache):
         restore = self.krul.restore_plan(node)
         if restore is not None and not self.krul.can_recompute():
             return False
-        if not super().load_back(node_id, mem_quota, req):
+        if not super()._load_back(node_id, mem_quota, req):
             return False
         if restore is not None:
             self.krul.recompute.run(restore, self.tree_core.root_node)
