@@ -29,6 +29,12 @@ conversation stores against HiCache's full copy (``GET /sgl_spec/cache``)::
     python -m sgl_spec.bench.sessions --out results/sessions --conversations 5 --doc-tokens 1024
     # ~1 h on a 2-core AVX2 CPU (every row; the defaults, 6 x 4096 tokens, take ~3 h there)
 
+Per follow-up also the server's restore stage (``GET /sgl_spec/cache`` -> ``restore``
+around it: ``load_back`` and the copy into the pool, the one part in which a Krul
+follow-up and a HiCache one differ), and each Krul row is paired with its HiCache row
+follow-up by follow-up (the same conversation, visit and round, both from the host
+tier): the spreads of their TTFT and restore-stage ratios.
+
 ``--rounds R`` plays every row R times, interleaved, and shows the TTFT spread.
 """
 

@@ -28,7 +28,8 @@ FIGURES = ("loads", "refused", "tokens", "admit_seconds", "transfer_seconds")
 @dataclass
 class RestoreClock:
     loads: int = 0               # load-backs admitted
-    refused: int = 0             # load-backs that returned False (recomputed instead)
+    refused: int = 0             # load-backs that returned False (too short, no room, or
+                                 # a Krul checksum failed): recomputed instead
     tokens: int = 0              # tokens whose transfer was started
     admit_seconds: float = 0.0
     transfer_seconds: float = 0.0
