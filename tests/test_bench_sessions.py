@@ -130,3 +130,15 @@ def test_krul_follow_ups_are_paired_with_hicache_ones_of_the_same_visit_round_an
     assert "krul against hicache, the same follow-up and round, both from the host tier (3 pairs)" in md
     assert "restore stage 0.25 / 0.40 / 0.60x (median 50.0 ms against 100.0 ms)" in md
     assert res["summary"]["krul"]["restore_stage_host_s"] == pytest.approx(0.05)
+
+
+def test_server_flags_are_appended_to_every_row_and_may_not_set_the_rows_own():
+    extra = tuple(sessions.server_flags("--dtype float32 --chunked-prefill-size=512"))
+    assert extra == ("--dtype", "float32", "--chunked-prefill-size=512")
+    for row in ("reference", "hicache", "krul+file"):
+        assert sessions.row_args(row, "M", 1000, 2.0, 9000, extra=extra)[-3:] == list(extra)
+    for bad in ("--spec-krul", "--max-total-tokens=4096", "--hicache-ratio 3"):
+        with pytest.raises(ValueError, match="may not set --.*it owns --model-path"):
+            sessions.server_flags(bad)
+    with pytest.raises(SystemExit):
+        sessions.main(["--out", "/tmp/x", "--server-flags", "--spec-mode loopserve"])

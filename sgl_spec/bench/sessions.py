@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shlex
 import shutil
 import tempfile
 import time
@@ -190,9 +191,28 @@ STORAGE = ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-poli
 KRUL = ["--spec-krul"]
 
 
+# Flags the workload sets per row; --server-flags may not set them.
+OWNED = ("--model-path", "--max-total-tokens", "--spec-mode", "--enable-hierarchical-cache",
+         "--hicache-ratio", "--hicache-io-backend", "--hicache-mem-layout",
+         "--hicache-storage-backend", "--hicache-storage-prefetch-policy", "--spec-krul",
+         "--spec-krul-codec", "--spec-krul-profile", "--enable-cache-report")
+
+
+def server_flags(text: str) -> list[str]:
+    """``--server-flags`` as a list; ValueError naming a flag the workload owns."""
+    flags = shlex.split(text)
+    owned = sorted({f.split("=", 1)[0] for f in flags} & set(OWNED))
+    if owned:
+        raise ValueError(f"--server-flags may not set {', '.join(owned)}: the workload sets "
+                         f"them per row (it owns {', '.join(OWNED)})")
+    return flags
+
+
 def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
-             total_tokens: int, profile: str | None = None) -> list[str]:
-    """Server flags of a row: the same model and mode, only the cache flags differ."""
+             total_tokens: int, profile: str | None = None,
+             extra: tuple[str, ...] = ()) -> list[str]:
+    """Server flags of a row: the same model and mode, only the cache flags differ
+    (``extra``, the same for every row, appended)."""
     hicache = HICACHE + ["--hicache-ratio", f"{host_ratio:.3f}"]
     cache = {"recompute": [], "hicache": hicache, "hicache+file": hicache + STORAGE,
              "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
@@ -204,10 +224,10 @@ def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
     base = ["--model-path", model, "--enable-cache-report", "--sleep-on-idle",
             "--spec-mode", "exact"]
     if row == "reference":
-        return base + ["--max-total-tokens", str(total_tokens)]
+        return base + ["--max-total-tokens", str(total_tokens), *extra]
     if row not in cache:
         raise ValueError(f"unknown row {row!r}; valid: {', '.join(ROWS)}")
-    return base + ["--max-total-tokens", str(device_tokens)] + cache[row]
+    return base + ["--max-total-tokens", str(device_tokens)] + cache[row] + list(extra)
 
 
 def _cache(url: str) -> dict:
@@ -225,7 +245,7 @@ def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_di
              bar) -> dict:
     flags = row_args(row, model, args.device_tokens, args.host_ratio,
                      total_tokens=len(sess) * (args.doc_tokens + 400) + 2048,
-                     profile=args.krul_profile)
+                     profile=args.krul_profile, extra=tuple(args.extra))
     storage = tempfile.mkdtemp(prefix="sgl-spec-sessions-")
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": storage}
     answers: list[Answer] = []
@@ -402,7 +422,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--krul-profile", metavar="FILE", default=None,
                     help="the krul-recompute row's --spec-krul-profile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-flags", default="", metavar="'FLAGS'",
+                    help="sglang/sgl_spec flags appended to every row's, one string (e.g. "
+                    "--server-flags='--dtype float32': a CPU without AVX512-BF16 runs bf16 "
+                    "GEMMs ~4.5x slower; the KV pool is then float32 too, and Krul's "
+                    "stored / full copy is against a float32 copy)")
     args = ap.parse_args(argv)
+    try:
+        args.extra = server_flags(args.server_flags)
+    except ValueError as exc:
+        ap.error(str(exc))
     for flag in ("conversations", "doc_tokens", "rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -438,7 +467,8 @@ def main(argv: list[str] | None = None) -> None:
         "meta": cli.finish_meta(meta, watch),
         "config": {"conversations": args.conversations, "doc_tokens": args.doc_tokens,
                    "conversation_tokens": conv, "device_tokens": args.device_tokens,
-                   "host_ratio": args.host_ratio, "rounds": args.rounds, "seed": args.seed},
+                   "host_ratio": args.host_ratio, "rounds": args.rounds, "seed": args.seed,
+                   "server_flags": args.extra},
         "rows": rows,
         "summary": summary,
         "paired": {f"{r} vs {counterpart(r)}": paired(played, r, counterpart(r))
