@@ -11,9 +11,11 @@ from sgl_spec.config import KrulConfig, SpecConfig
 
 
 def _assembler():
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    """A stand-in for sglang's ``hybrid_pool_assembler``: what it picks for MHA (the
+    class the integration package imported from sglang)."""
+    from sgl_spec.integration.krul import MHATokenToKVPoolHost
 
-    stock = lambda info: MHATokenToKVPoolHost  # noqa: E731  (what sglang picks for MHA)
+    stock = lambda info: MHATokenToKVPoolHost  # noqa: E731
     return types.SimpleNamespace(get_mha_host_pool_cls=stock), stock
 
 
