@@ -4,12 +4,16 @@
 # their torch references (pytest, marker gpu and the triton tests), then the kernel
 # micro-benchmarks on the GPU, then Krul's restore calibration (recompute vs load, per
 # tier) for the models whose config.json is under $MODELS (default .gpu/models/<name>/:
-# the weights are not needed, the time of a forward does not depend on them). Writes
+# the weights are not needed, the time of a forward does not depend on them), and
+# SpeContext's decode step as a GPU server runs it against the same server's exact step
+# (python -m sgl_spec.calibrate decode --device cuda) for those of them with a head
+# under $HEADS (default .gpu/heads/<name>/, EAGLE-3 layout). Writes
 # its logs and results under $OUT (default results/gpu-check). Each part has its own
 # time limit, so one that hangs leaves the others' output; PARTS picks parts.
 #
 #     OUT=results/gpu-check bash launch/gpu_check.sh
 #     PARTS=restore OUT=results/gpu-restore bash launch/gpu_check.sh
+#     PARTS=specontext OUT=results/gpu-sc bash launch/gpu_check.sh
 #
 # FlashInfer is not on those machines: `bash launch/gpu_pack.sh` here packs sglang's pin
 # into .gpu/fi (carry .gpu); the part `flashinfer` installs it, builds its kernels for
@@ -36,7 +40,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-PARTS=${PARTS:-tests bench vslash restore}
+PARTS=${PARTS:-tests bench vslash restore specontext}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 
 SKIP=""
@@ -50,8 +54,10 @@ if has flashinfer; then
   # One JIT build per kernel variant the tests use (dtype, head_dim, GQA group; group
   # 7 takes the tensor-core kernel), all at once; a variant not built in time is
   # deselected rather than built inside pytest's time.
-  for spec in "float16 32 2" "bfloat16 32 2" "float16 64 3" "bfloat16 64 3" \
-              "float16 64 7" "bfloat16 64 7" "bfloat16 32 3"; do
+  # WARM_SPECS: the variants to build ("dtype head_dim group", comma-separated)
+  all="float16 32 2,bfloat16 32 2,float16 64 3,bfloat16 64 3,float16 64 7,bfloat16 64 7,bfloat16 32 3"
+  IFS=, read -ra specs <<<"${WARM_SPECS:-$all}"
+  for spec in "${specs[@]}"; do
     timeout "${WARM_LIMIT:-240}" $PY -m sgl_spec.kernels.sparse_decode.flashinfer_impl \
       --warm $spec >"$OUT/warm-${spec// /-}.log" 2>&1 &
   done
@@ -89,6 +95,22 @@ if has restore; then
           --out "$OUT/restore-$name-$codec-$n.json" 2>&1 | grep -v "it/s\]\|step/s\]" \
           | tee -a "$OUT/restore.log"
       done
+    done
+  done
+fi
+
+# SpeContext: ms per decode step, sparse against the same server's exact, per model
+# with a head and batch size; one JSON profile (and its plot) each.
+HEADS=${HEADS:-.gpu/heads}
+if has specontext; then
+  for dir in "$MODELS"/*/; do
+    name=$(basename "$dir")
+    [ -d "$HEADS/$name" ] || continue
+    for b in ${SC_BATCHES:-1 8}; do
+      timeout "${SC_LIMIT:-180}" $PY -m sgl_spec.calibrate decode --device cuda \
+        --spec-mode specontext --spec-draft-path "$HEADS/$name" --model-path "$dir" \
+        --histories ${SC_HISTORIES:-4096 8192 16384 32768} --batch "$b" \
+        --out "$OUT/decode-$name-b$b.json" 2>&1 | grep -v "point/s" | tee -a "$OUT/specontext.log"
     done
   done
 fi

@@ -213,7 +213,8 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool 
                         ) -> spec_config.SpecConfig:
     """``cfg`` with ``min_context`` raised to where ``--spec-decode-profile`` found the
     sparse mode faster than exact on this host; ValueError where the profile measured
-    other decode flags, another model or KV dtype, or where this host serves on CUDA."""
+    other decode flags, another model or KV dtype, or another device (a CPU profile on a
+    CUDA host, a GPU's on a CPU one)."""
     if cfg.disable or not cfg.decode.profile_path:
         return cfg
     import dataclasses
@@ -221,10 +222,11 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool 
     from sgl_spec.attention import step_cost
 
     prof = step_cost.read_profile(cfg.decode.profile_path)
-    if not cpu:
+    measured, here = prof.get("device", "cpu"), "cpu" if cpu else "cuda"
+    if measured != here:
         raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r} was measured on "
-                         f"{prof.get('device', 'cpu')}; this host serves on CUDA, which "
-                         "'calibrate decode' does not measure; valid: drop it")
+                         f"{measured}; this host serves on {here}; valid: a profile from "
+                         f"python -m sgl_spec.calibrate decode --device {here} on this host")
     config = _model_config(argv)
     try:
         shape = step_cost.shape_of(config) if config is not None else None

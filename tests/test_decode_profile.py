@@ -80,11 +80,26 @@ def test_a_profile_of_other_flags_or_another_model_is_refused(tmp_path):
     assert "--spec-decode-profile" in msg and "budget 512 (this server: 1024)" in msg
     assert "num_layers 24 (this model: 30)" in msg and "num_q_heads" not in msg
     assert "python -m sgl_spec.calibrate decode" in msg
-    with pytest.raises(ValueError, match="this host serves on CUDA"):
+    with pytest.raises(ValueError, match="measured on cpu; this host serves on cuda; valid: "
+                       "a profile from python -m sgl_spec.calibrate decode --device cuda"):
         with_decode_profile(cfg, [], cpu=False)
     cfg, _ = split_argv(["--spec-mode", "specontext", "--spec-decode-profile", path])
     with pytest.raises(ValueError, match="mode 'loopserve' \\(this server: 'specontext'\\)"):
         with_decode_profile(cfg, [])
+
+
+def test_a_profile_serves_the_device_it_was_measured_on(tmp_path):
+    """A GPU's profile (calibrate decode --device cuda) on a CUDA host, not on a CPU one."""
+    path = _profile(tmp_path, cross=8192, mode="specontext")
+    prof = json.loads(open(path).read())
+    prof["device"] = "cuda"
+    open(path, "w").write(json.dumps(prof))
+    cfg, _ = split_argv(["--spec-mode", "specontext", "--spec-decode-profile", path])
+    argv = ["--model-path", _model(tmp_path)]
+    assert with_decode_profile(cfg, argv, cpu=False).decode.min_context == 8192
+    with pytest.raises(ValueError, match="measured on cuda; this host serves on cpu; valid: "
+                       "a profile from python -m sgl_spec.calibrate decode --device cpu"):
+        with_decode_profile(cfg, argv)
 
 
 def test_a_profile_of_another_kv_dtype_is_refused(tmp_path):

@@ -425,3 +425,33 @@ def test_training_capture_keeps_only_the_last_logits_and_the_same_targets(model_
     torch.testing.assert_close(got.aux, want_aux.to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(got.target, rec.sum / rec.layers, rtol=0, atol=0)
     rec.rows = None
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_calibrate_decode_times_the_path_served_on_the_device(tmp_path, device):
+    """``calibrate decode`` on the default model's shape and a random head: every timed
+    step of the sparse row attends its selection and loads part of B (the head's inputs
+    drift), the exact row's none; on CUDA the loads go through the side stream and the
+    kernel is the Triton one, as a GPU server runs them."""
+    from sgl_spec.attention import step_cost
+
+    model = tmp_path / "model"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "vocab_size": 1000}))
+    hcfg = HeadConfig(hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab_size=1000, target_hidden_size=576, aux_layers=(1, 14, 26))
+    eagle3.save(str(tmp_path / "head"), hcfg, random_weights(hcfg))
+    cfg = DecodeConfig(mode="specontext", budget=256, draft_path=str(tmp_path / "head"))
+    prof = step_cost.profile(str(model), cfg, (1024, 2048), steps=6, repeats=1,
+                             progress=False, device=device)
+    assert prof["device"] == device and ("gpu" in prof) == (device == "cuda")
+    assert all(t > 0 for t in prof["exact_s"] + prof["sparse_s"])
+    for c in prof["sparse_counts"]:
+        assert c["sparse_steps"] == 6 and c["exact_steps"] == 0
+        assert 0 < c["rows_loaded"] < 256 and 0 < c["overlap"] < 1
+    with pytest.raises(ValueError, match="valid on cuda: specontext"):
+        step_cost.check(DecodeConfig(mode="loopserve"), (8192,), "cuda")

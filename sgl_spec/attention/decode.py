@@ -55,6 +55,9 @@ from sgl_spec.sparse.elastic import ElasticPass
 from .batch import BatchView
 from .prefetch import get_prefetcher
 
+# The sparse-decode kernel of a staging policy (SpeContext) on CUDA: the server's
+# (integration.attention.create_backend) and calibrate decode's on a GPU.
+CUDA_DECODE_IMPL = "triton"
 # layer -> (K pool, V pool) of that layer, [num_slots, Hkv, D]
 PoolLayers = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 

@@ -7,6 +7,12 @@ and where that length lies depends on the host: on this 2-core CPU a LoopServe s
 a 7k history decoded at 0.77x of exact, a SpeContext one at 1.23x; on an H200 a sparse
 step beat FlashInfer's dense decode only at 32k x batch 8.
 
+``device="cuda"`` times the path a SpeContext server runs on a GPU (the other modes
+delegate to sglang's backend there): the head, planning and elastic loads on the GPU,
+the loads on a side stream (``--spec-prefetch auto``), the staged rows and the exact
+row on the Triton kernel (``CUDA_DECODE_IMPL``), each step eager as served (CUDA graphs
+off) and synchronised before the clock stops.
+
 ``profile`` times decode steps of sgl_spec's attention path as a server of the sparse
 mode runs them (``AttentionCore``: the head's pass, the decoder's plan, one kernel call
 per layer, the head's captures at its aux layers) over a KV pool of the model's shape
@@ -45,7 +51,7 @@ from sgl_spec.sparse.policy import AttnShape
 
 from .batch import BatchView
 from .core import AttentionCore
-from .decode import Decoder
+from .decode import CUDA_DECODE_IMPL, Decoder
 
 HISTORIES = (1536, 2048, 3072, 4096, 8192, 16384)  # less those the budget covers
 NEVER = sys.maxsize  # min_context of a mode that paid at no measured history
@@ -95,54 +101,60 @@ class _Bench:
     and the attention path of one decode config over it."""
 
     def __init__(self, cfg: DecodeConfig, shape: AttnShape, hidden: int, vocab: int,
-                 batch: int, history: int, steps: int, head=None, seed: int = 0):
+                 batch: int, history: int, steps: int, head=None, seed: int = 0,
+                 device: str = "cpu"):
         self.shape, self.hidden, self.vocab, self.batch = shape, hidden, vocab, batch
-        self.gen = torch.Generator().manual_seed(seed)
+        self.device = dev = torch.device(device)
+        self.gen = torch.Generator().manual_seed(seed)  # small draws, on the CPU
         self.drift: dict[int, torch.Tensor] = {}  # aux layer -> this step's hidden [B, Ht]
         ctx = history + steps + 1
         slots = batch * ctx + 1
         kv = (slots, shape.num_kv_heads, shape.head_dim)
         # one buffer per layer, as sglang's pool; random rows (the time does not depend
-        # on them); scattered slots, as a pool after some churn
-        self.k = [torch.randn(kv, generator=self.gen).to(shape.kv_dtype)
+        # on them), drawn where they live; scattered slots, as a pool after some churn
+        # draws on the device: a CPU tensor copied in each step would sync the host
+        self.dgen = g = self.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(seed)
+        self.k = [torch.randn(kv, generator=g, device=dev).to(shape.kv_dtype)
                   for _ in range(shape.num_layers)]
-        self.v = [torch.randn(kv, generator=self.gen).to(shape.kv_dtype)
+        self.v = [torch.randn(kv, generator=g, device=dev).to(shape.kv_dtype)
                   for _ in range(shape.num_layers)]
         order = torch.randperm(slots - 1, generator=self.gen) + 1
-        self.req_to_token = order[: batch * ctx].view(batch, ctx).to(torch.int32).contiguous()
-        self.rows = torch.arange(batch)
+        self.req_to_token = order[: batch * ctx].view(batch, ctx).to(
+            dev, torch.int32).contiguous()
+        self.rows = torch.arange(batch, device=dev)
         self.lens = [0] * batch
         self.rids = tuple(f"calib-{i}" for i in range(batch))
-        self.ids = torch.randint(0, vocab, (batch,), generator=self.gen)
+        self.ids = torch.randint(0, vocab, (batch,), generator=self.gen).to(dev)
         self.head = None
         policy = None
         if cfg.mode != "exact":
             from sgl_spec.sparse import get_policy
 
-            policy = get_policy(cfg.mode, cfg, shape, "cpu")
+            policy = get_policy(cfg.mode, cfg, shape, dev)
         self.policy = policy
         if head is not None and cfg.retrieval_head:
             from sgl_spec.head.runtime import HeadRuntime, HeadStore
 
             hk = (slots, head.cfg.num_kv_heads, head.cfg.head_dim)
-            keys = torch.zeros(hk, dtype=shape.kv_dtype)
-            kh = torch.zeros(hk, dtype=shape.kv_dtype)
+            keys = torch.zeros(hk, dtype=shape.kv_dtype, device=dev)
+            kh = torch.zeros(hk, dtype=shape.kv_dtype, device=dev)
             embed = None
             if head.w.embed is None:
                 embed = torch.randn(vocab, head.cfg.hidden_size, generator=self.gen).to(
-                    shape.kv_dtype)
-            self.head = HeadRuntime(head, HeadStore(lambda: (keys, kh), embed), "cpu")
+                    dev, shape.kv_dtype)
+            self.head = HeadRuntime(head, HeadStore(lambda: (keys, kh), embed), dev)
             self.aux = head.cfg.resolve_aux_layers(shape.num_layers)
             policy.attach(self.head)
             self._extend(history - _LAST_CHUNK, head_only=True)  # the head's keys
         else:
             self.lens = [history - _LAST_CHUNK] * batch  # no head: the KV is all there is
         self.decoder = Decoder(shape, policy, prefetch=cfg.prefetch,
-                               pool_layers=lambda layer: (self.k[layer], self.v[layer]))
+                               pool_layers=lambda layer: (self.k[layer], self.v[layer]),
+                               impl=CUDA_DECODE_IMPL if dev.type == "cuda" else None)
         self.core = AttentionCore(self.decoder, None, self.head)
         self._extend(_LAST_CHUNK)  # the last prompt chunk through the whole path
         self.q = torch.randn(batch, shape.num_q_heads, shape.head_dim,
-                             generator=self.gen).to(shape.kv_dtype)
+                             generator=self.gen).to(dev, shape.kv_dtype)
         self.out = torch.empty_like(self.q)
 
     def _view(self, mode: str, n: int) -> BatchView:
@@ -152,14 +164,16 @@ class _Bench:
         # decode: the same token each step, the context drifting (see the module docstring)
         ids = self.ids if mode == "decode" else torch.randint(
             0, self.vocab, (self.batch * n,), generator=self.gen)
+        dev = self.device
         return BatchView(mode, self.rids, seq, tuple(range(self.batch)),
                          (n,) * self.batch if mode == "extend" else (), True,
-                         self.req_to_token, self.rows, torch.tensor(seq), ids, loc)
+                         self.req_to_token, self.rows, torch.tensor(seq, device=dev),
+                         ids.to(dev), loc)
 
     def _capture(self, layer: int, tokens: int, drift: bool = False) -> None:
         if self.head is None or layer not in self.aux:
             return
-        noise = torch.randn(tokens, self.hidden, generator=self.gen)
+        noise = torch.randn(tokens, self.hidden, generator=self.dgen, device=self.device)
         if drift:
             last = self.drift.get(layer, noise)
             noise = self.drift[layer] = _DRIFT * last + (1 - _DRIFT ** 2) ** 0.5 * noise
@@ -174,7 +188,7 @@ class _Bench:
         else:
             plan = self.core.plan(view)
             q = torch.randn(self.batch * n, self.shape.num_q_heads, self.shape.head_dim,
-                            generator=self.gen).to(self.shape.kv_dtype)
+                            generator=self.gen).to(self.device, self.shape.kv_dtype)
             out = torch.empty_like(q)
             for layer in range(self.shape.num_layers):
                 self._capture(layer, self.batch * n)
@@ -230,12 +244,19 @@ def crossover(histories, exact_s, sparse_s) -> int:
     return best
 
 
-def check(cfg: DecodeConfig, histories) -> None:
+def check(cfg: DecodeConfig, histories, device: str = "cpu") -> None:
     """ValueError, naming the valid choices, where ``cfg`` at ``histories`` cannot be
-    measured (before a model or head is prepared)."""
+    measured on ``device`` (before a model or head is prepared)."""
     if cfg.mode == "exact":
         raise ValueError("--spec-mode exact has nothing to calibrate; valid: "
                          + ", ".join(m for m in MODES if m != "exact"))
+    if torch.device(device).type == "cuda" and not cfg.retrieval_head:
+        raise ValueError(f"--spec-mode {cfg.mode} decodes through sglang's own backend on "
+                         "CUDA (exactly), so there is no sparse step to time there; valid on "
+                         "cuda: specontext")
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not one calibrate decode times; valid: cpu, "
+                         "cuda")
     if min(histories) <= _covered(cfg):
         raise ValueError(f"history {min(histories)} is covered by the budget, sink and window "
                          f"({cfg.budget} + {cfg.sink} + {cfg.window}, after a {_LAST_CHUNK}-token "
@@ -244,23 +265,24 @@ def check(cfg: DecodeConfig, histories) -> None:
 
 def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
             steps: int = 32, repeats: int = 3, threads: int | None = None,
-            progress: bool = True, dtype: str = "bfloat16") -> dict:
+            progress: bool = True, dtype: str = "bfloat16", device: str = "cpu") -> dict:
     """Seconds per decode step (attention and planning, every layer) of ``cfg``'s server
     with every history sparse and with none, at each history; ``steps`` timed (for
     LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
     rows interleaved over ``repeats`` rounds, over a KV pool of ``dtype`` (the served
-    model's: a CPU without AVX512-BF16 computes bfloat16 slower than float32).
-    ValueError on what cannot be measured (``check``)."""
+    model's: a CPU without AVX512-BF16 computes bfloat16 slower than float32), on
+    ``device`` (the module docstring). ValueError on what cannot be measured (``check``)."""
     from tqdm import tqdm
 
-    check(cfg, histories)
+    check(cfg, histories, device)
     if threads:
         torch.set_num_threads(threads)
     if dtype not in DTYPES[1:]:
         raise ValueError(f"dtype {dtype!r} is not one calibrate decode times; valid: "
                          + ", ".join(DTYPES[1:]))
     shape, hidden, vocab = model_shape(model_path, getattr(torch, dtype))
-    head = _load_head(cfg) if cfg.retrieval_head else None
+    head = _load_head(cfg, device) if cfg.retrieval_head else None
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     warm = 2
     if cfg.mode == "loopserve":
         warm = cfg.first_select_step + 2
@@ -278,13 +300,16 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
         for _ in range(repeats):
             for name, c in rows.items():
                 bar.set_postfix_str(f"{name} {h} tok x{batch}")
-                b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head)
+                b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head,
+                           device=device)
                 for _ in range(warm):
                     b.step()
                 b.reset_counts()
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     b.step()
+                sync()
                 times[name].append((time.perf_counter() - t0) / steps)
                 cnt[name] = b.counts()
                 del b
@@ -298,7 +323,8 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
     return {
         "format": _FORMAT,
         "hardware": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "device": "cpu",
+        "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+        "device": torch.device(device).type, **_gpu(device),
         "model": os.path.abspath(model_path),
         "shape": {k: getattr(shape, k) for k in ("num_layers", "num_q_heads", "num_kv_heads",
                                                  "head_dim")},
@@ -313,12 +339,17 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
     }
 
 
-def _load_head(cfg: DecodeConfig):
+def _gpu(device: str) -> dict:
+    return {"gpu": torch.cuda.get_device_name(device)} \
+        if torch.device(device).type == "cuda" else {}
+
+
+def _load_head(cfg: DecodeConfig, device: str = "cpu"):
     from sgl_spec.head import eagle3
     from sgl_spec.head.model import RetrievalHead
 
     head_cfg, weights, n_aux = eagle3.load(cfg.draft_path)
-    return RetrievalHead(head_cfg, weights, n_aux, "cpu")
+    return RetrievalHead(head_cfg, weights, n_aux, device)
 
 
 def read_profile(path: str) -> dict:

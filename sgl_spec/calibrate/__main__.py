@@ -159,6 +159,10 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="the served model's --dtype, which the KV pool has (default: auto, "
                          "as sglang: the config's dtype if 16-bit, else float16); a profile "
                          "is read only by servers of the same KV dtype")
+    dp.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu (default), or cuda: SpeContext's path as a GPU server runs it "
+                         "(head, loads on a side stream, the Triton kernel; the other modes "
+                         "decode through sglang's backend there)")
     dp.add_argument("--quick", action="store_true",
                     help="histories 1536 and 3072, 4 steps, 1 round (tests)")
     dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
@@ -188,9 +192,13 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     from sgl_spec.bench.cli import model_path
 
     try:  # the flags' own checks before a model or head is prepared
-        step_cost.check(cfg, args.histories)
+        step_cost.check(cfg, args.histories, args.device)
     except ValueError as exc:
         dp.error(str(exc))
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        dp.error("--device cuda needs a CUDA GPU; valid here: cpu")
     model = model_path(dp, args.model_path)
     if cfg.retrieval_head and not cfg.draft_path:
         import dataclasses
@@ -203,10 +211,12 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     try:
         prof = step_cost.profile(model, cfg, tuple(sorted(set(args.histories))),
                                  batch=args.batch, steps=args.steps, repeats=args.repeats,
-                                 threads=args.threads or None, dtype=dtype)
+                                 threads=args.threads or None, dtype=dtype, device=args.device)
     except ValueError as exc:
         dp.error(str(exc))
-    print(f"{prof['hardware']} ({prof['cpus']} cpus, {prof['threads']} threads), "
+    where = prof.get("gpu") or (f"{prof['hardware']} ({prof['cpus']} cpus, "
+                                f"{prof['threads']} threads)")
+    print(f"{where}, "
           f"{prof['shape']['num_layers']} layers, {dtype} KV, batch {prof['batch']}: "
           f"{cfg.mode} B={cfg.budget} against exact, ms per decode step (attention and plan)")
     print("history   exact ms   sparse ms   sparse/exact")

@@ -25,12 +25,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from sgl_spec.attention import AttentionCore, build_core
 from sgl_spec.attention.batch import BatchView
+from sgl_spec.attention.decode import CUDA_DECODE_IMPL
 from sgl_spec.config import current
 from sgl_spec.sparse.policy import AttnShape
 
 logger = logging.getLogger(__name__)
-# The sparse-decode kernel of a staging policy (SpeContext) on CUDA; see create_backend.
-CUDA_DECODE_IMPL = "triton"
 
 
 class SpecAttnBackend(TorchNativeAttnBackend):
