@@ -36,6 +36,7 @@ mode paid at no measured length.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -213,13 +214,18 @@ class _Bench:
         if self.policy is not None and hasattr(self.policy, "stats"):
             self.policy.stats = type(self.policy.stats)()
 
-    def step(self) -> None:
-        """One decode pass of every request, as the server's layers call the core."""
-        plan = self.core.plan(self._view("decode", 1))
+    def step(self, ranges: bool = False) -> None:
+        """One decode pass of every request, as the server's layers call the core;
+        ``ranges``: its stages named for a profiler (``trace``)."""
+        named = torch.profiler.record_function if ranges else lambda _: contextlib.nullcontext()
+        with named("plan"):
+            plan = self.core.plan(self._view("decode", 1))
         for layer in range(self.shape.num_layers):
-            self._capture(layer, self.batch, drift=True)
-            self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
-                          self.shape.sm_scale)
+            with named("head capture"):
+                self._capture(layer, self.batch, drift=True)
+            with named("layer"):
+                self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
+                              self.shape.sm_scale)
         self.lens = [s + 1 for s in self.lens]
 
 
@@ -337,6 +343,36 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
         "sparse_counts": counts,
         "crossover": None if cross == NEVER else cross,
     }
+
+
+def trace(model_path: str, cfg: DecodeConfig, history: int, batch: int = 1, steps: int = 8,
+          dtype: str = "bfloat16", device: str = "cpu") -> str:
+    """Where a sparse step's time goes: ``steps`` decode steps of the sparse row at
+    ``history`` (after a warm-up) under ``torch.profiler``, the step's stages as ranges
+    (``plan``: the head's query and scores, the selection, the elastic plan and the
+    prefetch's start; ``head capture``: the head's keys for the new token; ``layer``:
+    one layer's attention). Returns the profiler's table of ops and ranges by host time
+    (with their device time on cuda)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    check(cfg, (history,), device)
+    shape, hidden, vocab = model_shape(model_path, getattr(torch, dtype))
+    head = _load_head(cfg, device) if cfg.retrieval_head else None
+    b = _Bench(dataclasses.replace(cfg, min_context=0), shape, hidden, vocab, batch, history,
+               steps + 3, head, device=device)
+    for _ in range(3):
+        b.step()
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(steps):
+            b.step(ranges=True)
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=30,
+                                     max_name_column_width=48)
 
 
 def _gpu(device: str) -> dict:

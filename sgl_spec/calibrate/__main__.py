@@ -163,6 +163,9 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="cpu (default), or cuda: SpeContext's path as a GPU server runs it "
                          "(head, loads on a side stream, the Triton kernel; the other modes "
                          "decode through sglang's backend there)")
+    dp.add_argument("--trace", metavar="FILE",
+                    help="also profile the sparse row's steps at the longest history "
+                         "(torch.profiler) and write its table of ops by host time here")
     dp.add_argument("--quick", action="store_true",
                     help="histories 1536 and 3072, 4 steps, 1 round (tests)")
     dp.add_argument("--out", help="output JSON (default: decode-<model>-<mode>-B<budget>.json "
@@ -231,6 +234,13 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
     print(f"plot: {_plot_decode(prof, os.path.splitext(out)[0] + '.png')}")
+    if args.trace:
+        table = step_cost.trace(model, cfg, max(prof["histories"]), batch=args.batch,
+                                dtype=dtype, device=args.device)
+        with open(args.trace, "w") as f:
+            f.write(f"{cfg.mode} B={cfg.budget}, {max(prof['histories'])} tokens x "
+                    f"{args.batch}, 8 steps, {prof.get('gpu') or prof['hardware']}\n\n{table}")
+        print(f"trace: {os.path.abspath(args.trace)}")
     print(os.path.abspath(out))
     return 0
 
