@@ -174,12 +174,17 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
     out = tmp_path / "decode.json"
     flags = ["--spec-mode", "specontext", "--spec-budget", "256", "--spec-draft-path", head]
     run = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode", "--quick",
-                          "--threads", "1", "--dtype", "float32", "--out", str(out), *flags],
+                          "--threads", "1", "--dtype", "float32", "--out", str(out),
+                          "--trace", str(tmp_path / "trace.txt"), *flags],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == str(out)
     assert (tmp_path / "decode.png").stat().st_size > 0
     assert "history   exact ms   sparse ms" in run.stdout
+    table = (tmp_path / "trace.txt").read_text()  # the sparse steps' stages, profiled
+    assert table.startswith("specontext B=256, 3072 tokens x 1, 8 steps")
+    for stage in ("plan", "head capture", "layer"):
+        assert f" {stage} " in table
     prof = step_cost.read_profile(str(out))
     assert prof["decode"]["mode"] == "specontext" and prof["histories"] == [1536, 3072]
     for c in prof["sparse_counts"]:  # every timed step sparse, each loading part of B
