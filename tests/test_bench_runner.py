@@ -389,7 +389,7 @@ def test_resume_reads_back_rows_played_on_the_same_inputs(convs, monkeypatch, tm
         (out / name).write_text("[]")
     played = []
 
-    def fake_run(cfg, model, work, out_dir, progress, pinned=None):
+    def fake_run(cfg, model, work, out_dir, progress, pinned=None, journal=None):
         played.append(cfg.name)
         chat, lg = _results(convs, lambda t: t.answer)
         return results.ConfigRun(cfg.name, asdict(cfg), {"peak_rss_bytes": 1}, chat,
@@ -440,3 +440,72 @@ def test_server_ports_are_free_and_below_the_ephemeral_range():
     for p in list(ports)[:3]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))   # still free
+
+
+def test_an_interrupted_row_resumes_after_its_finished_conversations(convs, monkeypatch,
+                                                                    tmp_path):
+    """The QA conversations are journaled as they finish: a run killed in its third
+    conversation leaves two; --resume plays only the others, and the row's turns (in
+    dataset order) and sparse counters equal an uninterrupted run's. Another row's
+    journal, a torn last line and a fresh (non-resumed) run are handled."""
+    from sgl_spec.bench.journal import Journal
+    from sgl_spec.bench.sparse_counters import SparseCounters
+
+    chat, _ = _results(convs, lambda t: t.answer)
+    steps = {"n": 0}  # the server's cumulative decode steps, as /metrics reads
+    played, kill_at = [], {"n": None}
+
+    def fake_play(client, model, conv, max_tokens, history=None, on_turn=None,
+                  ignore_eos=False):
+        played.append(conv.name)
+        out = []
+        for t in (t for t in chat if t.conversation == conv.name):
+            steps["n"] += 10
+            if len(played) == kill_at["n"] and out:
+                raise KeyboardInterrupt  # the session ends mid-conversation
+            out.append(t)
+            on_turn(t)
+        return out
+
+    monkeypatch.setattr(runner.chat_client, "play", fake_play)
+    monkeypatch.setattr(runner.chat_client, "make_client", lambda url: None)
+    monkeypatch.setattr(runner.sparse_counters, "read",
+                        lambda url: SparseCounters(steps["n"] / 2, steps["n"] / 2, 0.0))
+    work = runner.Workloads(plan.RunPlan.preset(True), convs, 32, [], {})
+    progress = runner.Progress(work.turns)
+
+    def qa(journal):
+        return runner._play_qa("http://x", "m", work, progress, "row", journal)
+
+    whole, counts, _ = qa(Journal(str(tmp_path), "row", "fp", resume=False))
+    assert whole == chat and counts["decode_steps"] == 10 * len(chat)
+    assert played == [c.name for c in convs]
+
+    steps["n"], played[:], kill_at["n"] = 0, [], 3
+    with pytest.raises(KeyboardInterrupt):
+        qa(Journal(str(tmp_path), "row", "fp", resume=False))
+    lines = (tmp_path / "journal-row.jsonl").read_text().splitlines()
+    kill_at["n"], played[:] = None, []
+    j = Journal(str(tmp_path), "row", "fp", resume=True)
+    # The first two, not the killed one (the one queued behind it may have started
+    # before the failure cancelled the rest).
+    assert {c.name for c in convs[:2]} <= set(j.done.turns) and convs[2].name not in j.done.turns
+    assert len(lines) == 1 + len(j.done.turns) <= 4
+    again, counts, _ = qa(j)
+    assert played == [c.name for c in convs if c.name not in j.done.turns]
+    assert again == chat
+    # The killed conversation's steps belong to no line: the total is the uninterrupted
+    # run's.
+    assert counts["decode_steps"] == 10 * len(chat)
+    progress.close()
+
+    # A torn last line: that conversation is played again. Another fingerprint, or
+    # resume off: everything is.
+    path = tmp_path / "journal-row.jsonl"
+    path.write_text("\n".join(lines[:2] + [lines[2][:50]]) + "\n")
+    assert sorted(Journal(str(tmp_path), "row", "fp", resume=True).done.turns) == [
+        convs[0].name]
+    path.write_text("\n".join(lines) + "\n")
+    assert Journal(str(tmp_path), "row", "other", resume=True).done.turns == {}
+    assert Journal(str(tmp_path), "row", "fp", resume=False).done.turns == {}
+    assert path.read_text().splitlines() == ['{"fingerprint": "fp"}']

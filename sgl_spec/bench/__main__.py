@@ -17,7 +17,8 @@ What is played is the set's ``[plan]`` if it has one, else the default plan;
 
 A long set can be played over several sittings: ``--rows A`` now and ``--rows B
 --resume`` later into the same ``--out`` reads back the rows already played on the
-same inputs (the first row too) and writes one report over all of them.
+same inputs (the first row too) and writes one report over all of them. A row that
+was interrupted resumes after its finished QA conversations (``journal``).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def build_parser():
     p.add_argument("--resume", action="store_true",
                    help="reuse the rows an earlier run with the same --out, inputs and "
                    "flags left (turns-<row>.json) instead of playing them again; the "
-                   "report says when each reused row was played")
+                   "report says when each reused row was played. A row interrupted "
+                   "mid-way plays only the QA conversations its journal-<row>.jsonl lacks")
     p.add_argument("--conversations", nargs="+", metavar="NAME",
                    help="play only these conversations of the dataset (by name, e.g. qa-0-0; "
                    "dataset.jsonl in --out lists them): a same-machine timing of a few rows "

@@ -19,8 +19,9 @@ The workloads, each after a cache flush:
 Around 1 and 2 the runner reads the server's sparse-decode counters
 (``sparse_counters``), so the report says how many decode steps attended a KV
 subset. Conversations run ``concurrency`` at a time; the turns of one conversation
-are sequential. ``results`` computes the figures and checks, ``tables`` and ``plots``
-render them.
+are sequential. A row's finished QA conversations are kept as they finish
+(``journal``), so ``--resume`` continues an interrupted row where it stopped.
+``results`` computes the figures and checks, ``tables`` and ``plots`` render them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import NamedTuple
@@ -38,6 +39,7 @@ from typing import NamedTuple
 import requests
 
 from sgl_spec.bench import chat_client, cli, provenance, results, serving, sparse_counters
+from sgl_spec.bench.journal import Journal
 from sgl_spec.bench.chat_client import PlayItem, TurnResult
 from sgl_spec.bench.configset import ConfigSet, ServerConfig
 from sgl_spec.bench.dataset import Conversation, DatasetConfig
@@ -92,26 +94,47 @@ class Progress:
     def turn(self, label: str, t: TurnResult) -> None:
         self.step(f"{label}: {t.conversation} turn {t.turn} ttft {t.ttft_s:.2f}s")
 
+    def skip(self, turns: int) -> None:
+        with self.lock:
+            self.bar.update(turns)
+
     def close(self) -> None:
         self.bar.close()
 
 
 def play_all(url: str, model: str, items: Sequence[PlayItem], concurrency: int,
              progress: Progress, label: str,
-             history: dict[str, list[str]] | None = None) -> list[TurnResult]:
+             history: dict[str, list[str]] | None = None,
+             on_done: Callable[[str, list[TurnResult] | None], None] | None = None
+             ) -> list[TurnResult]:
     """Play every item, ``concurrency`` conversations at a time; results in the order
     of ``items``, turn by turn. ``history`` (conversation name -> one answer per turn)
-    replaces this server's own answers in the chat history."""
+    replaces this server's own answers in the chat history; ``on_done`` is told of
+    each conversation as it finishes (its turns; None where it failed)."""
     client = chat_client.make_client(url)
 
     def one(item: PlayItem):
         pinned = None if history is None else history[item.conversation.name]
-        return chat_client.play(client, model, item.conversation, item.max_tokens, pinned,
-                                on_turn=lambda t: progress.turn(label, t),
-                                ignore_eos=item.ignore_eos)
+        try:
+            turns = chat_client.play(client, model, item.conversation, item.max_tokens,
+                                     pinned, on_turn=lambda t: progress.turn(label, t),
+                                     ignore_eos=item.ignore_eos)
+        except BaseException:
+            if on_done is not None:
+                on_done(item.conversation.name, None)
+            raise
+        if on_done is not None:
+            on_done(item.conversation.name, turns)
+        return turns
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        per_conv = list(pool.map(one, items))
+        futures = [pool.submit(one, item) for item in items]
+        try:
+            per_conv = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:  # a failed conversation stops the ones not yet started
+                f.cancel()
+            raise
     return [t for turns in per_conv for t in turns]
 
 
@@ -123,15 +146,44 @@ def answers(turns: Sequence[TurnResult]) -> dict[str, list[str]]:
     return out
 
 
+def _play_qa(url: str, model: str, work: Workloads, progress: Progress, label: str,
+             journal: Journal | None):
+    """The QA dataset: the turns in dataset order, the sparse counters' record and the
+    server's counters at the end; with a ``journal``, only the conversations it lacks
+    are played."""
+    items = [PlayItem(c.to_workload(), work.answer_tokens) for c in work.convs]
+    done = journal.done if journal is not None else None
+    todo = [i for i in items if done is None or i.conversation.name not in done.turns]
+    if len(todo) < len(items):
+        logger.info("%s: resuming after %d of %d conversations (%s)", label,
+                    len(items) - len(todo), len(items), journal.path)
+        progress.skip(sum(len(ts) for ts in done.turns.values()))
+    before = sparse_counters.read(url)  # after the warm-up
+    on_done = None
+    if journal is not None:
+        journal.start(before)
+        on_done = lambda name, turns: journal.record(  # noqa: E731
+            name, turns, sparse_counters.read(url))
+    played: dict[str, list[TurnResult]] = {}
+    for t in play_all(url, model, todo, work.plan.concurrency, progress, label,
+                      on_done=on_done):
+        played.setdefault(t.conversation, []).append(t)
+    after = sparse_counters.read(url)
+    counters = sparse_counters.minus(after, before)
+    if done is not None:
+        played |= done.turns
+        counters = sparse_counters.plus(done.counters, counters)
+    return ([t for i in items for t in played.get(i.conversation.name, [])],
+            sparse_counters.delta(counters, None), after)
+
+
 def _play_workloads(url: str, model: str, work: Workloads, progress: Progress, label: str,
-                    out_dir: str, slug: str, pinned: ConfigRun | None) -> dict:
+                    out_dir: str, slug: str, pinned: ConfigRun | None,
+                    journal: Journal | None = None) -> dict:
     """Every workload of ``work`` on one server; ConfigRun's fields that it fills."""
     concurrency = work.plan.concurrency
     flush_cache(url)  # every configuration starts with an empty prefix cache
-    before = sparse_counters.read(url)  # after the warm-up
-    chat = play_all(url, model, [PlayItem(c.to_workload(), work.answer_tokens)
-                                 for c in work.convs], concurrency, progress, label)
-    after_chat = sparse_counters.read(url)
+    chat, chat_counts, after_chat = _play_qa(url, model, work, progress, label, journal)
     flush_cache(url)
     lg = play_all(url, model, work.longgen, concurrency, progress, label)
     after_lg = sparse_counters.read(url)
@@ -150,15 +202,17 @@ def _play_workloads(url: str, model: str, work: Workloads, progress: Progress, l
             os.path.join(out_dir, f"bench_serving-{slug}.log")))
         progress.step(f"{label}: bench_serving done")
     return {"chat": chat, "longgen": lg, "chats": speed, "serving": served,
-            "sparse": {"chat": sparse_counters.delta(after_chat, before),
+            "sparse": {"chat": chat_counts,
                        "longgen": sparse_counters.delta(after_lg, after_chat)}}
 
 
 def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
-               progress: Progress, pinned: ConfigRun | None = None) -> ConfigRun:
+               progress: Progress, pinned: ConfigRun | None = None,
+               journal: Journal | None = None) -> ConfigRun:
     """Start ``cfg``'s server, play everything on it, stop it. Raises ServerStartError
     (with the tail of the server log) if it does not come up. ``pinned``: the run whose
-    speed-chat answers are this row's chat history."""
+    speed-chat answers are this row's chat history; ``journal``: the row's finished QA
+    conversations (played by an earlier, interrupted run, and kept as they finish)."""
     log_path = os.path.join(out_dir, f"server-{cfg.slug}.log")
     args = cfg.server_args(model)
     progress.describe(f"{cfg.name}: starting server")
@@ -172,7 +226,7 @@ def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
         start_s = watch.elapsed()
         chat_client.warmup(chat_client.make_client(server.url), model)
         played = _play_workloads(server.url, model, work, progress, cfg.name, out_dir,
-                                 cfg.slug, pinned)
+                                 cfg.slug, pinned, journal)
     except Exception as exc:
         server.stop()
         raise ConfigRunError(f"configuration {cfg.name!r} failed while playing: {exc!r}; "
@@ -258,7 +312,8 @@ def side_by_side(configset: ConfigSet, model: str, dataset_config: DatasetConfig
     """Every configuration of ``configset`` in file order, one server at a time.
     ``resume``: a row whose ``turns-<row>.json`` in ``out_dir`` was played on the same
     inputs is read back instead of played again (its server info says when and at
-    which commit it was played; the tables mark speed ratios across runs)."""
+    which commit it was played; the tables mark speed ratios across runs), and a row
+    that was interrupted plays only the QA conversations its journal lacks."""
     plan = work.plan
     if plan.concurrency > 1:
         logger.warning("concurrency %d batches requests: timings and greedy outputs then "
@@ -277,10 +332,12 @@ def side_by_side(configset: ConfigSet, model: str, dataset_config: DatasetConfig
                             results.played({"server": run.server}))
                 progress.bar.update(work.turns)
             else:
+                journal = Journal(out_dir, cfg.slug, fp, resume)
                 run = run_config(cfg, model, work, out_dir, progress,
-                                 runs[0] if runs else None)
+                                 runs[0] if runs else None, journal=journal)
                 run.server["played"] = {"started": meta["started"], "git": meta["git"]}
                 _dump_turns(out_dir, cfg.slug, run, fp)  # kept if a later one fails
+                journal.remove()
             runs.append(run)
     finally:
         progress.close()

@@ -104,12 +104,27 @@ def read(url: str) -> SparseCounters | None:
     return parse(r.text)
 
 
-def delta(after: SparseCounters | None, before: SparseCounters | None) -> dict | None:
-    """What happened between two reads, as a results.json record; None without counters."""
+def minus(after: SparseCounters | None, before: SparseCounters | None
+          ) -> SparseCounters | None:
+    """What happened between two reads; None without counters."""
     if after is None:
         return None
     before = before or SparseCounters(0.0, 0.0, 0.0)
-    d = SparseCounters(*(a - b for a, b in zip(after, before)))
+    return SparseCounters(*(a - b for a, b in zip(after, before)))
+
+
+def plus(a: SparseCounters | None, b: SparseCounters | None) -> SparseCounters | None:
+    """Two stretches' counters together (a row resumed on another server)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return SparseCounters(*(x + y for x, y in zip(a, b)))
+
+
+def delta(after: SparseCounters | None, before: SparseCounters | None) -> dict | None:
+    """What happened between two reads, as a results.json record; None without counters."""
+    d = minus(after, before)
+    if d is None:
+        return None
     mean = lambda total, n: total / n if n else None  # noqa: E731
     return {"sparse_steps": int(d.sparse), "decode_steps": int(d.steps),
             "reselections": int(d.reselections), "sparse_share": d.sparse_share,
