@@ -505,6 +505,7 @@ def test_an_interrupted_row_resumes_after_its_finished_conversations(convs, monk
     path.write_text("\n".join(lines[:2] + [lines[2][:50]]) + "\n")
     assert sorted(Journal(str(tmp_path), "row", "fp", resume=True).done.turns) == [
         convs[0].name]
+    assert path.read_text().splitlines() == lines[:2]  # the torn line dropped
     path.write_text("\n".join(lines) + "\n")
     assert Journal(str(tmp_path), "row", "other", resume=True).done.turns == {}
     assert Journal(str(tmp_path), "row", "fp", resume=False).done.turns == {}

@@ -112,8 +112,8 @@ class _Bench:
         slots = batch * ctx + 1
         kv = (slots, shape.num_kv_heads, shape.head_dim)
         # one buffer per layer, as sglang's pool; random rows (the time does not depend
-        # on them), drawn where they live; scattered slots, as a pool after some churn
-        # draws on the device: a CPU tensor copied in each step would sync the host
+        # on them), drawn on the device (a CPU tensor copied in at each step would sync
+        # the host); scattered slots, as a pool after some churn
         self.dgen = g = self.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(seed)
         self.k = [torch.randn(kv, generator=g, device=dev).to(shape.kv_dtype)
                   for _ in range(shape.num_layers)]

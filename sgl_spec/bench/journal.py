@@ -63,16 +63,20 @@ class Journal:
                 return  # another row's inputs: start over
         except ValueError:
             return
+        kept = lines[:1]
         for line in lines[1:]:
             try:
                 rec = json.loads(line)
                 turns = [TurnResult.from_json(t) for t in rec["turns"]]
             except (ValueError, KeyError, TypeError):
                 break  # a line cut short by the interruption: the rest is replayed
+            kept.append(line)
             self.done.turns[rec["conversation"]] = turns
             if rec.get("counters") is not None:
                 self.done.counters = sparse_counters.plus(
                     self.done.counters, SparseCounters(*rec["counters"]))
+        with open(self.path, "w") as f:  # without a torn line, so this run appends after
+            f.write("".join(line + "\n" for line in kept))
 
     def start(self, counters: SparseCounters | None) -> None:
         """The server's counters as the workload begins (the first line's baseline)."""
