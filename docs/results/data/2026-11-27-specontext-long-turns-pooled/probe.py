@@ -1,4 +1,5 @@
-"""Teacher-forced sparse decode probe: for one turn of the long-turns set, replay exact's
+"""Teacher-forced sparse decode probe: for one turn of a harness set (the long-turns set
+on the default model; PROBE_MODEL and PROBE_PRESET pick others), replay exact's
 answer (its own history, float32, HF transformers) with each answer query attending
 sink + a selection + window in every layer, and report where the argmax leaves exact's
 tokens and by how much; beside it, the dense model's own top1 - top2 margin per step.
@@ -10,8 +11,13 @@ dense, and the head's set with the top of the prompt's last-w head queries force
 
     python probe.py ../2026-11-27-specontext-long-turns-fp32/turns-sgl_spec-exact.json \
         qa-0-5:2 THREADS ANSWER_TOKENS [VARIANT,SUBSTRINGS]
+    PROBE_MODEL=qwen2.5-coder-0.5b PROBE_PRESET=long-context python probe.py \
+        ../2026-11-27-specontext-qwen-full-exact/turns-sgl_spec-exact.json qa-0-3:2 2 31 \
+        "head B=1024,head B=2048,oracle shared B=1024"
+
+A name in VARIANT,SUBSTRINGS that is a variant's whole name picks that variant alone.
 """
-import json, sys, time, torch
+import json, os, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -53,7 +59,7 @@ class Sparse:
 
 sp = Sparse()
 AttentionInterface.register("probe", sp)
-mp = prep_model()
+mp = prep_model(model=os.environ.get("PROBE_MODEL", "smollm2-135m"))
 cfg, w, n_aux = eagle3.load(prepare(mp))
 model, tok, _ = load_target(mp)
 model.config._attn_implementation = "probe"
@@ -63,7 +69,7 @@ for m in model.modules():
 aux_layers = cfg.resolve_aux_layers(model.config.num_hidden_layers)
 head = RetrievalHead(cfg, w, n_aux)
 embed = model.get_input_embeddings().weight
-convs = dataset.generate(dataset.DatasetConfig.preset("long-turns"), tok)
+convs = dataset.generate(dataset.DatasetConfig.preset(os.environ.get("PROBE_PRESET", "long-turns")), tok)
 exact = json.load(open(sys.argv[1]))["chat"]
 name, turn = sys.argv[2].split(":")
 turn = int(turn)
@@ -84,7 +90,10 @@ L = model.config.num_hidden_layers
 def run(mask, record=False):
     sp.rows, sp.mask, sp.rec = rows, mask, ([] if record else None)
     with torch.no_grad():
-        out = model(input_ids=full[None], output_hidden_states=record, use_cache=False)
+        # logits of the answer's rows only: over every position a 151k vocabulary
+        # takes 9.5 GB at 15.7k tokens
+        out = model(input_ids=full[None], output_hidden_states=record, use_cache=False,
+                    logits_to_keep=len(rows) + 1)
     rec = sp.rec
     sp.rows = sp.mask = sp.rec = None
     return out, rec
@@ -95,7 +104,8 @@ att = torch.stack(att)  # [L, Hkv, R, T] dense
 print(f"dense pass {time.time()-t0:.0f}s", flush=True)
 aux = torch.stack([out.hidden_states[i][0] for i in aux_layers], 1)
 keys, qprev = head.over_sequence(full, aux, embed)
-dense_logits = out.logits[0, rows]
+dense_logits = out.logits[0, :len(rows)]
+del out
 ref = torch.tensor(ans)
 agree_dense = (dense_logits.argmax(-1) == ref).float().mean().item()
 print(f"HF dense argmax agrees with exact's tokens on {agree_dense:.2f}")
@@ -143,11 +153,13 @@ for wq, bq in ((32, 256), (32, 512), (64, 256)):
     qset = qs.masked_fill(~(cols < p0 - WINDOW), float("-inf")).topk(bq, -1).indices
     forced = torch.zeros(keys.shape[1], T, dtype=torch.bool).scatter_(-1, qset, True)[:, None, :].expand(-1, len(rows), -1)
     m = topk_mask(hs, 1024, forced); variants[f"head B=1024 + head question set {bq} (w={wq})"] = lambda l, m=m: m
-only = [v for v in variants if len(sys.argv) <= 5 or any(x in v for x in sys.argv[5].split(","))]
+picks = sys.argv[5].split(",") if len(sys.argv) > 5 else None
+only = [v for v in variants if picks is None or v in picks
+        or any(x in v for x in picks if x not in variants)]
 for name_v in only:
     t0 = time.time()
     o, _ = run(variants[name_v])
-    lg = o.logits[0, rows]
+    lg = o.logits[0, :len(rows)]
     top = lg.argmax(-1)
     diff = (top != ref).nonzero().flatten().tolist()
     ref_l = lg.gather(-1, ref[:, None])[:, 0]
