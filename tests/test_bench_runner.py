@@ -487,10 +487,10 @@ def test_an_interrupted_row_resumes_after_its_finished_conversations(convs, monk
     lines = (tmp_path / "journal-row.jsonl").read_text().splitlines()
     kill_at["n"], played[:] = None, []
     j = Journal(str(tmp_path), "row", "fp", resume=True)
-    # The first two, not the killed one (the one queued behind it may have started
-    # before the failure cancelled the rest).
-    assert {c.name for c in convs[:2]} <= set(j.done.turns) and convs[2].name not in j.done.turns
-    assert len(lines) == 1 + len(j.done.turns) <= 4
+    # The first two: not the killed one, nor any queued behind it (the failure stops
+    # them before they start, however late the main thread sees it).
+    assert sorted(j.done.turns) == sorted(c.name for c in convs[:2])
+    assert len(lines) == 3
     again, counts, _ = qa(j)
     assert played == [c.name for c in convs if c.name not in j.done.turns]
     assert again == chat

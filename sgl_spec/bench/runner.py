@@ -112,14 +112,18 @@ def play_all(url: str, model: str, items: Sequence[PlayItem], concurrency: int,
     replaces this server's own answers in the chat history; ``on_done`` is told of
     each conversation as it finishes (its turns; None where it failed)."""
     client = chat_client.make_client(url)
+    failed = threading.Event()  # set by the first failure: nothing starts after it
 
     def one(item: PlayItem):
+        if failed.is_set():
+            raise _NotStarted(item.conversation.name)
         pinned = None if history is None else history[item.conversation.name]
         try:
             turns = chat_client.play(client, model, item.conversation, item.max_tokens,
                                      pinned, on_turn=lambda t: progress.turn(label, t),
                                      ignore_eos=item.ignore_eos)
         except BaseException:
+            failed.set()
             if on_done is not None:
                 on_done(item.conversation.name, None)
             raise
@@ -130,12 +134,19 @@ def play_all(url: str, model: str, items: Sequence[PlayItem], concurrency: int,
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         futures = [pool.submit(one, item) for item in items]
         try:
+            # In order: a conversation not started (after a failure) comes after the
+            # one that failed, since the pool starts them in order.
             per_conv = [f.result() for f in futures]
         except BaseException:
-            for f in futures:  # a failed conversation stops the ones not yet started
+            failed.set()  # a failed conversation stops the ones not yet started
+            for f in futures:
                 f.cancel()
             raise
     return [t for turns in per_conv for t in turns]
+
+
+class _NotStarted(Exception):
+    """A conversation not played because an earlier one failed."""
 
 
 def answers(turns: Sequence[TurnResult]) -> dict[str, list[str]]:
