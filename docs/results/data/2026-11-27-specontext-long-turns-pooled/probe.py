@@ -6,8 +6,9 @@ tokens and by how much; beside it, the dense model's own top1 - top2 margin per 
 
 Selections: the retrieval head's top-B (one set for all layers, as served), the best
 single set for all layers (top-B of the target's layer-averaged attention: an oracle),
-one oracle set per group of layers, one per layer, the head's set with the first layers
-dense, and the head's set with the top of the prompt's last-w head queries forced in.
+one oracle set per group of layers, one per layer, the per-layer oracle restricted to
+the head's top-C candidates, the head's set with the first layers dense, and the head's
+set with the top of the prompt's last-w head queries forced in.
 
     python probe.py ../2026-11-27-specontext-long-turns-fp32/turns-sgl_spec-exact.json \
         qa-0-5:2 THREADS ANSWER_TOKENS [VARIANT,SUBSTRINGS]
@@ -16,6 +17,7 @@ dense, and the head's set with the top of the prompt's last-w head queries force
         "head B=1024,head B=2048,oracle shared B=1024"
 
 A name in VARIANT,SUBSTRINGS that is a variant's whole name picks that variant alone.
+PROBE_HEAD=0 skips the head (no training where none is prepared): the oracle variants.
 """
 import json, os, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
@@ -60,14 +62,17 @@ class Sparse:
 sp = Sparse()
 AttentionInterface.register("probe", sp)
 mp = prep_model(model=os.environ.get("PROBE_MODEL", "smollm2-135m"))
-cfg, w, n_aux = eagle3.load(prepare(mp))
+USE_HEAD = os.environ.get("PROBE_HEAD", "1") != "0"  # 0: the oracle variants only, no head
+if USE_HEAD:
+    cfg, w, n_aux = eagle3.load(prepare(mp))  # trains the head where none is prepared
 model, tok, _ = load_target(mp)
 model.config._attn_implementation = "probe"
 for m in model.modules():
     if hasattr(m, "config") and hasattr(m.config, "_attn_implementation"):
         m.config._attn_implementation = "probe"
-aux_layers = cfg.resolve_aux_layers(model.config.num_hidden_layers)
-head = RetrievalHead(cfg, w, n_aux)
+if USE_HEAD:
+    aux_layers = cfg.resolve_aux_layers(model.config.num_hidden_layers)
+    head = RetrievalHead(cfg, w, n_aux)
 embed = model.get_input_embeddings().weight
 convs = dataset.generate(dataset.DatasetConfig.preset(os.environ.get("PROBE_PRESET", "long-turns")), tok)
 exact = json.load(open(sys.argv[1]))["chat"]
@@ -102,8 +107,9 @@ t0 = time.time()
 out, att = run(None, record=True)
 att = torch.stack(att)  # [L, Hkv, R, T] dense
 print(f"dense pass {time.time()-t0:.0f}s", flush=True)
-aux = torch.stack([out.hidden_states[i][0] for i in aux_layers], 1)
-keys, qprev = head.over_sequence(full, aux, embed)
+if USE_HEAD:
+    aux = torch.stack([out.hidden_states[i][0] for i in aux_layers], 1)
+    keys, qprev = head.over_sequence(full, aux, embed)
 dense_logits = out.logits[0, :len(rows)]
 del out
 ref = torch.tensor(ans)
@@ -117,7 +123,7 @@ def head_scores(t):  # [Hkv, T] scores of the query at position t
     s = head.scores(q, keys[None, :t], torch.tensor([t]))[0]
     return torch.cat([s, s.new_zeros(s.shape[0], T - t)], -1)
 
-hs = torch.stack([head_scores(int(t)) for t in rows], 1)  # [Hkv, R, T]
+hs = torch.stack([head_scores(int(t)) for t in rows], 1) if USE_HEAD else None  # [Hkv, R, T]
 cols = torch.arange(T)
 cand = (cols[None, :] >= SINK) & (cols[None, :] < rows[:, None] + 1 - WINDOW)  # [R, T]
 base = (cols[None, :] < SINK) | ((cols[None, :] >= rows[:, None] + 1 - WINDOW) & (cols[None, :] <= rows[:, None]))
@@ -136,29 +142,43 @@ def question_scores(wq):  # head's prompt-window queries, summed group-max softm
         acc += head_scores(t)
     return acc
 
+# name -> a builder of layer -> allowed [Hkv, R, T]; only the picked ones are built
 variants = {}
-for B in (1024, 2048):
-    m = topk_mask(hs, B); variants[f"head B={B}"] = lambda l, m=m: m
-mshared = topk_mask(att.mean(0), 1024); variants["oracle shared B=1024"] = lambda l, m=mshared: m
-mlayer = [topk_mask(att[l], 1024) for l in range(L)]; variants["oracle per-layer B=1024"] = lambda l: mlayer[l]
-for G in (2, 3, 6):
+def shared(m): return lambda l: m
+def per_layer(ms): return lambda l: ms[l]
+if USE_HEAD:
+    for B in (1024, 2048):
+        variants[f"head B={B}"] = lambda B=B: shared(topk_mask(hs, B))
+variants["oracle shared B=1024"] = lambda: shared(topk_mask(att.mean(0), 1024))
+variants["oracle per-layer B=1024"] = lambda: per_layer([topk_mask(att[l], 1024) for l in range(L)])
+if USE_HEAD:
+    for C in (2048, 4096):  # the head's top-C, then each layer's own top-1024 of them
+        variants[f"head C={C}, per-layer top-1024 of it"] = lambda C=C: per_layer(
+            [topk_mask(att[l].masked_fill(~topk_mask(hs, C), float("-inf")), 1024) for l in range(L)])
+def groups(G):
     parts = torch.arange(L).chunk(G)
     gm = {int(l): topk_mask(att[p].mean(0), 1024) for p in parts for l in p}
-    variants[f"oracle {G} layer groups B=1024"] = lambda l, gm=gm: gm[l]
-for d in (0, 1, 2, 3):
-    m = topk_mask(hs, 1024); full_m = torch.ones_like(m)
-    variants[f"head B=1024, layers <= {d} dense"] = lambda l, m=m, d=d, f=full_m: f if l <= d else m
-for wq, bq in ((32, 256), (32, 512), (64, 256)):
-    qs = question_scores(wq)
-    qset = qs.masked_fill(~(cols < p0 - WINDOW), float("-inf")).topk(bq, -1).indices
+    return lambda l: gm[l]
+for G in (2, 3, 6):
+    variants[f"oracle {G} layer groups B=1024"] = lambda G=G: groups(G)
+def first_dense(d):
+    m = topk_mask(hs, 1024); f = torch.ones_like(m)
+    return lambda l: f if l <= d else m
+def question_set(wq, bq):
+    qset = question_scores(wq).masked_fill(~(cols < p0 - WINDOW), float("-inf")).topk(bq, -1).indices
     forced = torch.zeros(keys.shape[1], T, dtype=torch.bool).scatter_(-1, qset, True)[:, None, :].expand(-1, len(rows), -1)
-    m = topk_mask(hs, 1024, forced); variants[f"head B=1024 + head question set {bq} (w={wq})"] = lambda l, m=m: m
+    return shared(topk_mask(hs, 1024, forced))
+if USE_HEAD:
+    for d in (0, 1, 2, 3):
+        variants[f"head B=1024, layers <= {d} dense"] = lambda d=d: first_dense(d)
+    for wq, bq in ((32, 256), (32, 512), (64, 256)):
+        variants[f"head B=1024 + head question set {bq} (w={wq})"] = lambda wq=wq, bq=bq: question_set(wq, bq)
 picks = sys.argv[5].split(",") if len(sys.argv) > 5 else None
 only = [v for v in variants if picks is None or v in picks
         or any(x in v for x in picks if x not in variants)]
 for name_v in only:
     t0 = time.time()
-    o, _ = run(variants[name_v])
+    o, _ = run(variants[name_v]())
     lg = o.logits[0, :len(rows)]
     top = lg.argmax(-1)
     diff = (top != ref).nonzero().flatten().tolist()
