@@ -7,7 +7,7 @@ tokens and by how much; beside it, the dense model's own top1 - top2 margin per 
 Selections: the retrieval head's top-B (one set for all layers, as served), the best
 single set for all layers (top-B of the target's layer-averaged attention: an oracle),
 one oracle set per group of layers, one per layer, the per-layer oracle restricted to
-the head's top-C candidates, the head's set with the first layers dense, and the head's
+the head's top-C candidates (and per group of layers, by the group's first layer), the head's set with the first layers dense, and the head's
 set with the top of the prompt's last-w head queries forced in.
 
     python probe.py ../2026-11-27-specontext-long-turns-fp32/turns-sgl_spec-exact.json \
@@ -132,8 +132,9 @@ def topk_mask(scores, B, forced=None):  # scores [Hkv, R, T] -> allowed [Hkv, R,
     s = scores.masked_fill(~cand[None], float("-inf"))
     if forced is not None:
         s = s.masked_fill(forced & cand[None], float("inf"))
-    idx = s.topk(B, -1).indices
-    m = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True)
+    idx = s.topk(min(B, s.shape[-1]), -1).indices
+    # B past the candidates (a short history): all of them, never a masked position
+    m = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx, True) & (s > float("-inf"))
     return m | base[None]
 
 def question_scores(wq):  # head's prompt-window queries, summed group-max softmax over [0, p0)
@@ -153,8 +154,27 @@ variants["oracle shared B=1024"] = lambda: shared(topk_mask(att.mean(0), 1024))
 variants["oracle per-layer B=1024"] = lambda: per_layer([topk_mask(att[l], 1024) for l in range(L)])
 if USE_HEAD:
     for C in (2048, 4096):  # the head's top-C, then each layer's own top-1024 of them
-        variants[f"head C={C}, per-layer top-1024 of it"] = lambda C=C: per_layer(
+        variants[f"head C={C} per-layer top-1024"] = lambda C=C: per_layer(
             [topk_mask(att[l].masked_fill(~topk_mask(hs, C), float("-inf")), 1024) for l in range(L)])
+def head_refined_by_previous(C):  # the head's top-C; per layer, the top-1024 of them by the
+    hc = topk_mask(hs, C)             # layer's attention at the previous step (known before the
+    prev = lambda a: torch.cat([a[:, :1], a[:, :-1]], 1)  # forward; step 0 uses its own)
+    ms = [topk_mask(prev(att[l]).masked_fill(~hc, float("-inf")), 1024) for l in range(L)]
+    return lambda l: ms[l]
+if USE_HEAD:
+    for C in (2048, 4096):
+        variants[f"head C={C} per-layer top-1024 by the previous step"] = \
+            lambda C=C: head_refined_by_previous(C)
+def head_refined_by_group(C, G):  # the head's top-C; per group of layers, the top-1024 of
+    hc = topk_mask(hs, C)           # them by the attention of the group's first layer's query
+    first = {int(l): int(p[0]) for p in torch.arange(L).chunk(G) for l in p}
+    ms = {f: topk_mask(att[f].masked_fill(~hc, float("-inf")), 1024) for f in set(first.values())}
+    return lambda l: ms[first[l]]
+if USE_HEAD:
+    for C in (2048, 4096):
+        for G in (3, 6):
+            variants[f"head C={C} {G} groups top-1024 by their first layer"] = \
+                lambda C=C, G=G: head_refined_by_group(C, G)
 def groups(G):
     parts = torch.arange(L).chunk(G)
     gm = {int(l): topk_mask(att[p].mean(0), 1024) for p in parts for l in p}
