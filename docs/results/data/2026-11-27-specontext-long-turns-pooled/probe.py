@@ -6,9 +6,10 @@ tokens and by how much; beside it, the dense model's own top1 - top2 margin per 
 
 Selections: the retrieval head's top-B (one set for all layers, as served), the best
 single set for all layers (top-B of the target's layer-averaged attention: an oracle),
-one oracle set per group of layers, one per layer, the per-layer oracle restricted to
-the head's top-C candidates (and per group of layers, by the group's first layer), the head's set with the first layers dense, and the head's
-set with the top of the prompt's last-w head queries forced in.
+one oracle set per group of layers, one per layer, each layer's top-B of the head's top-C
+candidates (by this step's attention, the previous step's, or its group's first layer's),
+the head's set with the first layers dense, and the head's set with the top of the
+prompt's last-w head queries forced in.
 
     python probe.py ../2026-11-27-specontext-long-turns-fp32/turns-sgl_spec-exact.json \
         qa-0-5:2 THREADS ANSWER_TOKENS [VARIANT,SUBSTRINGS]
@@ -144,43 +145,19 @@ def question_scores(wq):  # head's prompt-window queries, summed group-max softm
     return acc
 
 # name -> a builder of layer -> allowed [Hkv, R, T]; only the picked ones are built
-variants = {}
 def shared(m): return lambda l: m
 def per_layer(ms): return lambda l: ms[l]
-if USE_HEAD:
-    for B in (1024, 2048):
-        variants[f"head B={B}"] = lambda B=B: shared(topk_mask(hs, B))
-variants["oracle shared B=1024"] = lambda: shared(topk_mask(att.mean(0), 1024))
-variants["oracle per-layer B=1024"] = lambda: per_layer([topk_mask(att[l], 1024) for l in range(L)])
-if USE_HEAD:
-    for C in (2048, 4096):  # the head's top-C, then each layer's own top-1024 of them
-        variants[f"head C={C} per-layer top-1024"] = lambda C=C: per_layer(
-            [topk_mask(att[l].masked_fill(~topk_mask(hs, C), float("-inf")), 1024) for l in range(L)])
-def head_refined_by_previous(C):  # the head's top-C; per layer, the top-1024 of them by the
-    hc = topk_mask(hs, C)             # layer's attention at the previous step (known before the
-    prev = lambda a: torch.cat([a[:, :1], a[:, :-1]], 1)  # forward; step 0 uses its own)
-    ms = [topk_mask(prev(att[l]).masked_fill(~hc, float("-inf")), 1024) for l in range(L)]
-    return lambda l: ms[l]
-if USE_HEAD:
-    for C in (2048, 4096):
-        variants[f"head C={C} per-layer top-1024 by the previous step"] = \
-            lambda C=C: head_refined_by_previous(C)
-def head_refined_by_group(C, G):  # the head's top-C; per group of layers, the top-1024 of
-    hc = topk_mask(hs, C)           # them by the attention of the group's first layer's query
-    first = {int(l): int(p[0]) for p in torch.arange(L).chunk(G) for l in p}
-    ms = {f: topk_mask(att[f].masked_fill(~hc, float("-inf")), 1024) for f in set(first.values())}
-    return lambda l: ms[first[l]]
-if USE_HEAD:
-    for C in (2048, 4096):
-        for G in (3, 6):
-            variants[f"head C={C} {G} groups top-1024 by their first layer"] = \
-                lambda C=C, G=G: head_refined_by_group(C, G)
+def refined(C, scores):  # the head's top-C; layer l keeps the top-1024 of them by scores(l)
+    hc = topk_mask(hs, C)
+    return per_layer([topk_mask(scores(l).masked_fill(~hc, float("-inf")), 1024) for l in range(L)])
+def previous(a):  # each step's row replaced by the step before's (step 0 keeps its own)
+    return torch.cat([a[:, :1], a[:, :-1]], 1)
+def first_layers(G):  # layer -> the first layer of its group
+    return {int(l): int(p[0]) for p in torch.arange(L).chunk(G) for l in p}
 def groups(G):
     parts = torch.arange(L).chunk(G)
     gm = {int(l): topk_mask(att[p].mean(0), 1024) for p in parts for l in p}
     return lambda l: gm[l]
-for G in (2, 3, 6):
-    variants[f"oracle {G} layer groups B=1024"] = lambda G=G: groups(G)
 def first_dense(d):
     m = topk_mask(hs, 1024); f = torch.ones_like(m)
     return lambda l: f if l <= d else m
@@ -188,7 +165,22 @@ def question_set(wq, bq):
     qset = question_scores(wq).masked_fill(~(cols < p0 - WINDOW), float("-inf")).topk(bq, -1).indices
     forced = torch.zeros(keys.shape[1], T, dtype=torch.bool).scatter_(-1, qset, True)[:, None, :].expand(-1, len(rows), -1)
     return shared(topk_mask(hs, 1024, forced))
+
+variants = {
+    "oracle shared B=1024": lambda: shared(topk_mask(att.mean(0), 1024)),
+    "oracle per-layer B=1024": lambda: per_layer([topk_mask(att[l], 1024) for l in range(L)]),
+    **{f"oracle {G} layer groups B=1024": lambda G=G: groups(G) for G in (2, 3, 6)},
+}
 if USE_HEAD:
+    for B in (1024, 2048):
+        variants[f"head B={B}"] = lambda B=B: shared(topk_mask(hs, B))
+    for C in (2048, 4096):
+        variants[f"head C={C} per-layer top-1024"] = lambda C=C: refined(C, lambda l: att[l])
+        variants[f"head C={C} per-layer top-1024 by the previous step"] = \
+            lambda C=C: refined(C, lambda l: previous(att[l]))
+        for G in (3, 6):
+            variants[f"head C={C} {G} groups top-1024 by their first layer"] = \
+                lambda C=C, G=G: refined(C, lambda l, f=first_layers(G): att[f[l]])
     for d in (0, 1, 2, 3):
         variants[f"head B=1024, layers <= {d} dense"] = lambda d=d: first_dense(d)
     for wq, bq in ((32, 256), (32, 512), (64, 256)):
