@@ -26,6 +26,8 @@ from sgl_spec import envs
 MODES = ("exact", "streaming", "snapkv", "loopserve", "specontext")
 # How SpeContext's elastic loads reach the staging buffers (sgl_spec.attention.prefetch).
 PREFETCH = ("auto", "inline", "thread", "stream")
+# What the radix cache keeps of the KV that sparse decode steps wrote.
+SPARSE_KV_CACHE = ("keep", "drop")
 # Radix-cache eviction orders.
 CACHE_EVICTIONS = ("lru", "turn")
 # How sglang's DP controller picks a rank (--dp-size > 1): by cached prefix, or sglang's.
@@ -92,6 +94,13 @@ FLAGS: tuple[Flag, ...] = (
          "stream; 'auto' is stream on CUDA, inline on CPU (on 2 cores 'thread' decoded "
          "at 0.75x of inline's speed).",
          PREFETCH),
+    Flag("--spec-sparse-kv-cache", "decode", "sparse_kv_cache", "choice",
+         "Sparse modes: what the radix cache keeps of a request's KV from its first "
+         "sparse decode step on (its output tokens' K and V past layer 0 come from "
+         "sparse attention). 'keep' caches it as stock sglang caches every output, and a "
+         "follow-up turn reuses it; 'drop' caches only what dense passes wrote, and a "
+         "follow-up turn recomputes the previous answer densely, so every cached prefix "
+         "is exact mode's (costs a prefill of the answer's tokens).", SPARSE_KV_CACHE),
     Flag("--spec-cache-eviction", "cache", "eviction", "choice",
          "Radix-cache eviction order. 'lru' is stock sglang's (identical evictions, "
          "sglang's compiled tree core); 'turn' evicts dead reasoning branches "
@@ -225,6 +234,7 @@ class DecodeConfig:
     prefetch: str = "auto"
     dense_layers: int = 0
     profile_path: str = ""
+    sparse_kv_cache: str = "keep"
 
     def __post_init__(self):
         _check("decode", self)
@@ -242,6 +252,10 @@ class DecodeConfig:
             raise ValueError("--spec-decode-profile is read only with a sparse --spec-mode "
                              "(got exact); valid: drop it, or --spec-mode "
                              f"{' / '.join(m for m in MODES if m != 'exact')}")
+        if self.mode == "exact" and self.sparse_kv_cache != "keep":
+            raise ValueError("--spec-sparse-kv-cache is read only with a sparse --spec-mode "
+                             "(got exact, whose KV is all dense); valid: drop it, or "
+                             f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
         if self.mode == "exact" and self.dense_layers:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "

@@ -57,6 +57,9 @@ class RequestHub:
         self._pass = 0
         self._live: dict[str, Callable[[], int]] = {}
         self.observer = None  # Krul's estimator, where the attention path runs one
+        # rid -> the first position whose KV a sparse decode step wrote, or None: set by
+        # the attention path under --spec-sparse-kv-cache drop, read by the radix cache
+        self.sparse_kv_from: Callable[[str], int | None] | None = None
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:

@@ -492,3 +492,35 @@ def test_loopserve_selections_feed_the_kernel():
     for rid in rids:
         pol.release(rid)
     assert pol.live_states == 0
+
+
+def test_decoder_marks_where_sparse_steps_began_writing_kv_and_frees_the_mark():
+    """--spec-sparse-kv-cache drop: the decoder keeps, per request, the first position
+    whose KV a sparse step wrote (a step of seq_len n writes position n - 1); LoopServe's
+    first 16 steps are exact. Freed on release, like the policy state; untracked: None."""
+    from sgl_spec.attention.batch import BatchView
+    from sgl_spec.attention.decode import Decoder
+
+    req_to_token = torch.arange(4 * 128, dtype=torch.int32).view(4, 128)
+
+    def step(dec, rids, seq):
+        rows = list(range(len(rids)))
+        dec.plan(BatchView("decode", tuple(rids), tuple(seq), tuple(rows), (), True,
+                           req_to_token, torch.tensor(rows), torch.tensor(seq)))
+
+    untracked = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE))
+    step(untracked, ["a"], [60])
+    assert untracked.sparse_kv_from("a") is None
+
+    dec = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE))
+    dec.track_sparse_kv()
+    # "a": a 40-token prompt (sparse from its 17th step); "b": 10 tokens, a history
+    # under min_context 32 at every step (exact).
+    for k in range(20):
+        step(dec, ["a", "b"], [41 + k, 11 + k])
+        assert dec.sparse_kv_from("a") == (None if k < 16 else 40 + 16)
+        assert dec.sparse_kv_from("b") is None
+    dec.release("a")
+    assert dec.sparse_kv_from("a") is None and dec.live_states == 1
+    dec.release("b")
+    assert dec._sparse_from == {} and dec.live_states == 0

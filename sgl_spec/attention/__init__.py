@@ -53,6 +53,9 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         HUB.add_live_source("decode_states", lambda: decoder.live_states)
         HUB.add_live_source("policy_states", lambda: policy.live_states)
         HUB.add_live_source("policy_slots", lambda: len(policy.slots))
+        if cfg.decode.sparse_kv_cache == "drop":
+            decoder.track_sparse_kv()
+            HUB.sparse_kv_from = decoder.sparse_kv_from
     prefill = None
     if cfg.prefill.mode != "exact":
         prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)

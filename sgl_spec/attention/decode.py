@@ -157,6 +157,9 @@ class Decoder:
                                  "(pool_layers); valid without them: auto, inline")
         self._forward = 0  # forward passes planned
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
+        # rid -> the first position whose KV a sparse step wrote (--spec-sparse-kv-cache
+        # drop: the radix cache keeps none from there on); None: not tracked
+        self._sparse_from: dict[str, int] | None = None
         self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
 
     # ------------------------------------------------------------ lifetime
@@ -165,8 +168,21 @@ class Decoder:
     def live_states(self) -> int:
         return len(self._last_seen)
 
+    def track_sparse_kv(self) -> None:
+        """Keep, per live request, where its sparse steps' KV begins (``sparse_kv_from``)."""
+        if self._sparse_from is None:
+            self._sparse_from = {}
+
+    def sparse_kv_from(self, rid: str) -> int | None:
+        """The first position of ``rid`` whose KV a sparse decode step wrote (the step's
+        input token: its K and V past layer 0 come from sparse attention below); None if
+        none did, or if not tracked."""
+        return None if self._sparse_from is None else self._sparse_from.get(rid)
+
     def release(self, rid: str) -> None:
         """Free the request's state (finished, aborted, retracted). Unknown rids are fine."""
+        if self._sparse_from is not None:
+            self._sparse_from.pop(rid, None)
         if self._last_seen.pop(rid, None) is not None:
             self.policy.release(rid)
             if self.metrics is not None:
@@ -210,6 +226,9 @@ class Decoder:
         sparse = [b for b, s in enumerate(steps) if s.kind == Kind.SPARSE]
         observe = [b for b, s in enumerate(steps) if s.observe >= 0]
         reselect = [b for b in sparse if steps[b].reselect]
+        if self._sparse_from is not None:
+            for b in sparse:  # a step of seq_len n writes the KV of position n - 1
+                self._sparse_from.setdefault(batch.rids[b], batch.seq_lens[b] - 1)
         self._count(batch.size - len(sparse),
                     [self._attended(steps[b], batch.seq_lens[b]) for b in sparse])
         if not sparse and not observe:

@@ -123,6 +123,20 @@ class SpecRadixCache(UnifiedRadixCache):
         if getattr(self, "_slots", None) is not None:
             self._slots.reset()
 
+    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        super().checkpoint(req, up_to=self.dense_kv_end(req, up_to), **kwargs)
+
+    @staticmethod
+    def dense_kv_end(req, up_to: int) -> int:
+        """``up_to``, or under ``--spec-sparse-kv-cache drop`` where the request's sparse
+        decode steps began writing KV: the tree keeps only dense passes' KV, and the
+        request frees the rest as its own (never below what the tree already holds)."""
+        sparse_from = HUB.sparse_kv_from
+        start = sparse_from(req.rid) if sparse_from is not None else None
+        if start is None or start >= up_to:
+            return up_to
+        return max(start, req.kv.cache_protected_len)
+
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         HUB.release(req.rid)
@@ -214,6 +228,7 @@ class TaggedRadixCache(SpecRadixCache):
         return result
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        up_to = self.dense_kv_end(req, up_to)
         super().checkpoint(req, up_to=up_to, **kwargs)
         obs = HUB.observer
         sim = obs.stats(req.rid) if self.krul is not None and obs is not None else None

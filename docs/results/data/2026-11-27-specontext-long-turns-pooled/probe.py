@@ -20,7 +20,7 @@ prompt's last-w head queries forced in.
 A name in VARIANT,SUBSTRINGS that is a variant's whole name picks that variant alone.
 PROBE_HEAD=0 skips the head (no training where none is prepared): the oracle variants.
 """
-import json, os, sys, time, torch
+import dataclasses, json, os, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -75,9 +75,11 @@ if USE_HEAD:
     aux_layers = cfg.resolve_aux_layers(model.config.num_hidden_layers)
     head = RetrievalHead(cfg, w, n_aux)
 embed = model.get_input_embeddings().weight
-convs = dataset.generate(dataset.DatasetConfig.preset(os.environ.get("PROBE_PRESET", "long-turns")), tok)
 exact = json.load(open(sys.argv[1]))["chat"]
 name, turn = sys.argv[2].split(":")
+# qa-<seed>-<n>: the dataset's seed is in the conversation's name
+preset = dataset.DatasetConfig.preset(os.environ.get("PROBE_PRESET", "long-turns"))
+convs = dataset.generate(dataclasses.replace(preset, seed=int(name.split("-")[1])), tok)
 turn = int(turn)
 c = next(c for c in convs if c.name == name)
 ex = {t["turn"]: t for t in exact if t["conversation"] == name}
