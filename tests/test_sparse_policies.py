@@ -510,7 +510,7 @@ def test_decoder_marks_where_sparse_steps_began_writing_kv_and_frees_the_mark():
 
     untracked = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE))
     step(untracked, ["a"], [60])
-    assert untracked.sparse_kv_from("a") is None
+    assert untracked.sparse_kv_from("a") is None and not untracked.tracks_sparse_kv
 
     dec = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE))
     dec.track_sparse_kv()

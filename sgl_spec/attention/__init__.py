@@ -55,7 +55,8 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         HUB.add_live_source("policy_slots", lambda: len(policy.slots))
         if cfg.decode.sparse_kv_cache == "drop":
             decoder.track_sparse_kv()
-            HUB.sparse_kv_from = decoder.sparse_kv_from
+    # the radix cache caps checkpoints here (None: it keeps every output's KV, as stock)
+    HUB.sparse_kv_from = decoder.sparse_kv_from if decoder.tracks_sparse_kv else None
     prefill = None
     if cfg.prefill.mode != "exact":
         prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)

@@ -173,6 +173,10 @@ class Decoder:
         if self._sparse_from is None:
             self._sparse_from = {}
 
+    @property
+    def tracks_sparse_kv(self) -> bool:
+        return self._sparse_from is not None
+
     def sparse_kv_from(self, rid: str) -> int | None:
         """The first position of ``rid`` whose KV a sparse decode step wrote (the step's
         input token: its K and V past layer 0 come from sparse attention below); None if
