@@ -512,8 +512,7 @@ def test_decoder_marks_where_sparse_steps_began_writing_kv_and_frees_the_mark():
     step(untracked, ["a"], [60])
     assert untracked.sparse_kv_from("a") is None and not untracked.tracks_sparse_kv
 
-    dec = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE))
-    dec.track_sparse_kv()
+    dec = Decoder(SHAPE, get_policy("loopserve", CFG, SHAPE), track_sparse_kv=True)
     # "a": a 40-token prompt (sparse from its 17th step); "b": 10 tokens, a history
     # under min_context 32 at every step (exact).
     for k in range(20):

@@ -47,14 +47,13 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
 
             policy.metrics = SpeContextMetrics()
     decoder = Decoder(shape, policy, impl=impl, metrics=metrics, prefetch=cfg.decode.prefetch,
-                      pool_layers=pool_layers)
+                      pool_layers=pool_layers,
+                      track_sparse_kv=policy is not None and cfg.decode.sparse_kv_cache == "drop")
     if policy is not None:
         HUB.add_release_listener(decoder.release)
         HUB.add_live_source("decode_states", lambda: decoder.live_states)
         HUB.add_live_source("policy_states", lambda: policy.live_states)
         HUB.add_live_source("policy_slots", lambda: len(policy.slots))
-        if cfg.decode.sparse_kv_cache == "drop":
-            decoder.track_sparse_kv()
     # the radix cache caps checkpoints here (None: it keeps every output's KV, as stock)
     HUB.sparse_kv_from = decoder.sparse_kv_from if decoder.tracks_sparse_kv else None
     prefill = None

@@ -131,6 +131,7 @@ class Decoder:
         stale_after: int = STALE_AFTER,
         prefetch: str = "auto",  # elastic loads (policies that stage KV): prefetch.PREFETCHERS
         pool_layers: PoolLayers | None = None,  # the KV pool by layer, for prefetchers
+        track_sparse_kv: bool = False,  # keep sparse_kv_from (--spec-sparse-kv-cache drop)
     ):
         if stale_after < 1:
             raise ValueError(f"stale_after must be >= 1, got {stale_after}")
@@ -159,7 +160,7 @@ class Decoder:
         self._last_seen: dict[str, int] = {}  # rid -> forward pass it was last in
         # rid -> the first position whose KV a sparse step wrote (--spec-sparse-kv-cache
         # drop: the radix cache keeps none from there on); None: not tracked
-        self._sparse_from: dict[str, int] | None = None
+        self._sparse_from: dict[str, int] | None = {} if track_sparse_kv else None
         self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
 
     # ------------------------------------------------------------ lifetime
@@ -167,11 +168,6 @@ class Decoder:
     @property
     def live_states(self) -> int:
         return len(self._last_seen)
-
-    def track_sparse_kv(self) -> None:
-        """Keep, per live request, where its sparse steps' KV begins (``sparse_kv_from``)."""
-        if self._sparse_from is None:
-            self._sparse_from = {}
 
     @property
     def tracks_sparse_kv(self) -> bool:

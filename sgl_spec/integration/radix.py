@@ -124,7 +124,12 @@ class SpecRadixCache(UnifiedRadixCache):
             self._slots.reset()
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        super().checkpoint(req, up_to=self.dense_kv_end(req, up_to), **kwargs)
+        up_to = self.dense_kv_end(req, up_to)
+        super().checkpoint(req, up_to=up_to, **kwargs)
+        self._checkpointed(req, up_to)
+
+    def _checkpointed(self, req, up_to: int) -> None:
+        """After the tree took ``[0, up_to)`` of ``req``: payloads for that span."""
 
     @staticmethod
     def dense_kv_end(req, up_to: int) -> int:
@@ -227,9 +232,7 @@ class TaggedRadixCache(SpecRadixCache):
             obs.seed(params.req.rid, None if hit is None else hit[1])
         return result
 
-    def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        up_to = self.dense_kv_end(req, up_to)
-        super().checkpoint(req, up_to=up_to, **kwargs)
+    def _checkpointed(self, req, up_to: int) -> None:
         obs = HUB.observer
         sim = obs.stats(req.rid) if self.krul is not None and obs is not None else None
         if sim is not None:
