@@ -27,7 +27,7 @@ MODES = ("exact", "streaming", "snapkv", "loopserve", "specontext")
 # How SpeContext's elastic loads reach the staging buffers (sgl_spec.attention.prefetch).
 PREFETCH = ("auto", "inline", "thread", "stream")
 # What the radix cache keeps of the KV that sparse decode steps wrote.
-SPARSE_KV_CACHE = ("keep", "drop")
+SPARSE_KV_CACHE = ("auto", "keep", "drop")
 # Radix-cache eviction orders.
 CACHE_EVICTIONS = ("lru", "turn")
 # How sglang's DP controller picks a rank (--dp-size > 1): by cached prefix, or sglang's.
@@ -100,7 +100,10 @@ FLAGS: tuple[Flag, ...] = (
          "sparse attention). 'keep' caches it as stock sglang caches every output, and a "
          "follow-up turn reuses it; 'drop' caches only what dense passes wrote, and a "
          "follow-up turn recomputes the previous answer densely, so every cached prefix "
-         "is exact mode's (costs a prefill of the answer's tokens).", SPARSE_KV_CACHE),
+         "is exact mode's (costs a prefill of the answer's tokens). 'auto' is drop for "
+         "specontext, whose every step past --spec-min-context is sparse (it kept "
+         "specontext within 3 EM points of exact where keep fell short), and keep for "
+         "the other modes.", SPARSE_KV_CACHE),
     Flag("--spec-cache-eviction", "cache", "eviction", "choice",
          "Radix-cache eviction order. 'lru' is stock sglang's (identical evictions, "
          "sglang's compiled tree core); 'turn' evicts dead reasoning branches "
@@ -234,7 +237,7 @@ class DecodeConfig:
     prefetch: str = "auto"
     dense_layers: int = 0
     profile_path: str = ""
-    sparse_kv_cache: str = "keep"
+    sparse_kv_cache: str = "auto"
 
     def __post_init__(self):
         _check("decode", self)
@@ -252,7 +255,7 @@ class DecodeConfig:
             raise ValueError("--spec-decode-profile is read only with a sparse --spec-mode "
                              "(got exact); valid: drop it, or --spec-mode "
                              f"{' / '.join(m for m in MODES if m != 'exact')}")
-        if self.mode == "exact" and self.sparse_kv_cache != "keep":
+        if self.mode == "exact" and self.sparse_kv_cache == "drop":
             raise ValueError("--spec-sparse-kv-cache is read only with a sparse --spec-mode "
                              "(got exact, whose KV is all dense); valid: drop it, or "
                              f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
@@ -260,6 +263,15 @@ class DecodeConfig:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "
                              f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
+
+    @property
+    def drops_sparse_kv(self) -> bool:
+        """Whether the radix cache keeps only dense passes' KV (--spec-sparse-kv-cache,
+        'auto': drop for specontext, keep for the other modes)."""
+        if self.mode == "exact":
+            return False
+        return self.sparse_kv_cache == "drop" or (self.sparse_kv_cache == "auto"
+                                                  and self.mode == "specontext")
 
     def use_exact(self, seq_len: int) -> bool:
         """Whether a history of ``seq_len`` positions decodes densely: short histories

@@ -381,7 +381,7 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
             given_.get("--spec-mode", "exact") != "specontext":
         assert got == 2 and "--spec-prefetch is read only with --spec-mode specontext" in err
         return
-    if given_.get("--spec-sparse-kv-cache", "keep") != "keep" and \
+    if given_.get("--spec-sparse-kv-cache") == "drop" and \
             given_.get("--spec-mode", "exact") == "exact":
         assert got == 2 and "--spec-sparse-kv-cache is read only with a sparse" in err
         return

@@ -494,6 +494,22 @@ def test_loopserve_selections_feed_the_kernel():
     assert pol.live_states == 0
 
 
+@pytest.mark.parametrize("mode, choice, drops", [
+    ("specontext", "auto", True), ("specontext", "keep", False), ("specontext", "drop", True),
+    ("loopserve", "auto", False), ("loopserve", "drop", True), ("snapkv", "auto", False),
+    ("streaming", "drop", True), ("exact", "auto", False), ("exact", "keep", False),
+])
+def test_sparse_kv_cache_auto_drops_for_specontext_only(mode, choice, drops):
+    assert DecodeConfig(mode=mode, sparse_kv_cache=choice).drops_sparse_kv is drops
+
+
+def test_sparse_kv_cache_rejects_drop_under_exact_and_unknown_choices():
+    with pytest.raises(ValueError, match="read only with a sparse --spec-mode"):
+        DecodeConfig(mode="exact", sparse_kv_cache="drop")
+    with pytest.raises(ValueError, match="auto, keep, drop|'auto', 'keep', 'drop'"):
+        DecodeConfig(mode="specontext", sparse_kv_cache="never")
+
+
 def test_decoder_marks_where_sparse_steps_began_writing_kv_and_frees_the_mark():
     """--spec-sparse-kv-cache drop: the decoder keeps, per request, the first position
     whose KV a sparse step wrote (a step of seq_len n writes position n - 1); LoopServe's

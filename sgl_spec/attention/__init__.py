@@ -48,7 +48,7 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
             policy.metrics = SpeContextMetrics()
     decoder = Decoder(shape, policy, impl=impl, metrics=metrics, prefetch=cfg.decode.prefetch,
                       pool_layers=pool_layers,
-                      track_sparse_kv=policy is not None and cfg.decode.sparse_kv_cache == "drop")
+                      track_sparse_kv=policy is not None and cfg.decode.drops_sparse_kv)
     if policy is not None:
         HUB.add_release_listener(decoder.release)
         HUB.add_live_source("decode_states", lambda: decoder.live_states)
