@@ -101,8 +101,8 @@ FLAGS: tuple[Flag, ...] = (
          "follow-up turn reuses it; 'drop' caches only what dense passes wrote, and a "
          "follow-up turn recomputes the previous answer densely, so every cached prefix "
          "is exact mode's (costs a prefill of the answer's tokens). 'auto' is drop for "
-         "specontext, whose every step past --spec-min-context is sparse (it kept "
-         "specontext within 3 EM points of exact where keep fell short), and keep for "
+         "specontext, whose answers over a long history are sparse from the first step "
+         "(drop kept it within 3 EM points of exact where keep fell short), and keep for "
          "the other modes.", SPARSE_KV_CACHE),
     Flag("--spec-cache-eviction", "cache", "eviction", "choice",
          "Radix-cache eviction order. 'lru' is stock sglang's (identical evictions, "
@@ -256,9 +256,10 @@ class DecodeConfig:
                              "(got exact); valid: drop it, or --spec-mode "
                              f"{' / '.join(m for m in MODES if m != 'exact')}")
         if self.mode == "exact" and self.sparse_kv_cache == "drop":
-            raise ValueError("--spec-sparse-kv-cache is read only with a sparse --spec-mode "
-                             "(got exact, whose KV is all dense); valid: drop it, or "
-                             f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
+            raise ValueError("--spec-sparse-kv-cache drop needs a sparse --spec-mode (got "
+                             "exact, whose KV is all dense); valid: --spec-sparse-kv-cache "
+                             "auto / keep, or --spec-mode "
+                             f"{' / '.join(m for m in MODES if m != 'exact')}")
         if self.mode == "exact" and self.dense_layers:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "

@@ -383,7 +383,7 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
         return
     if given_.get("--spec-sparse-kv-cache") == "drop" and \
             given_.get("--spec-mode", "exact") == "exact":
-        assert got == 2 and "--spec-sparse-kv-cache is read only with a sparse" in err
+        assert got == 2 and "--spec-sparse-kv-cache drop needs a sparse --spec-mode" in err
         return
     if given_.get("--spec-dense-layers") and given_.get("--spec-mode", "exact") == "exact":
         assert got == 2 and "--spec-dense-layers is read only with a sparse --spec-mode" in err

@@ -476,7 +476,7 @@ class TestSmallBudget:
         b = generate(url, follow, 8)
         p = a["meta_info"]["prompt_tokens"]
         # Step k writes the KV of position p + k; steps 16..38 were sparse.
-        assert b["meta_info"]["cached_tokens"] >= p + 36
+        assert b["meta_info"]["cached_tokens"] >= p + 30
         assert b["meta_info"]["prompt_tokens"] > p + 40
         assert sparse_metrics(url)["sgl_spec:sparse_live_states"] == 0
 

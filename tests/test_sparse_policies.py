@@ -504,7 +504,7 @@ def test_sparse_kv_cache_auto_drops_for_specontext_only(mode, choice, drops):
 
 
 def test_sparse_kv_cache_rejects_drop_under_exact_and_unknown_choices():
-    with pytest.raises(ValueError, match="read only with a sparse --spec-mode"):
+    with pytest.raises(ValueError, match="drop needs a sparse --spec-mode.*auto / keep"):
         DecodeConfig(mode="exact", sparse_kv_cache="drop")
     with pytest.raises(ValueError, match="auto, keep, drop|'auto', 'keep', 'drop'"):
         DecodeConfig(mode="specontext", sparse_kv_cache="never")

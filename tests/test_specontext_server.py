@@ -137,7 +137,7 @@ class TestSpeContextServer:
 def _restore(url: str) -> dict:
     resp = requests.get(f"{url}/sgl_spec/cache", timeout=60)
     resp.raise_for_status()
-    return resp.json()["restore"]  # released when it finished
+    return resp.json()["restore"]
 
 
 @pytest.mark.server
