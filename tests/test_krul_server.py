@@ -14,6 +14,7 @@ import requests
 
 from conftest import EARLY_SERVERS, Early, early_dir, early_server
 from sgl_spec import boot
+from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC, flush_cache
 from sgl_spec.cache import restore_clock
 from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
@@ -103,7 +104,7 @@ def _prompts(model_path: str) -> tuple[str, str]:
 
 
 def _generate(url: str, text: str) -> tuple[list[int], dict]:
-    body = {"text": text, "return_logprob": True,
+    body = {"text": text, "return_logprob": True, "top_logprobs_num": 2,
             "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS}}
     resp = requests.post(f"{url}/generate", json=body, timeout=600)
     resp.raise_for_status()
@@ -130,7 +131,29 @@ def _demote_and_restore(server, model_path):
     _generate(server.url, other)            # 1100 slots cannot hold both: first is demoted
     totals = _krul(server.url)
     again_ids, again_meta = _generate(server.url, first)
-    return ids, again_ids, again_meta, totals, _krul(server.url)
+    return _Answer(ids, meta), again_ids, again_meta, totals, _krul(server.url)
+
+
+class _Answer:
+    """The never-evicted prompt's greedy answer, with its own top-2 logprobs per token."""
+
+    def __init__(self, ids: list[int], meta: dict):
+        self.ids, self.top2 = ids, meta["output_top_logprobs"]
+
+    def matches(self, other: list[int]) -> bool:
+        """Equal, or diverging first where this answer's top-2 were a near tie: another
+        extend order (a restored or recomputed prefix) may break an exact tie the other
+        way (seen on an AVX512 CPU: two first tokens at the same logprob)."""
+        if other == self.ids:
+            return True
+        j = first_divergence(self.ids, other)
+        if j >= len(self.top2):
+            return False
+        (a, *_), (b, *_) = self.top2[j][:2]
+        return a - b <= NEAR_TIE_NATS
+
+    def __repr__(self) -> str:
+        return f"_Answer({self.ids}, margins {[round(t[0][0] - t[1][0], 3) for t in self.top2]})"
 
 
 def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_file_server):
@@ -163,10 +186,10 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     assert len(pages) >= PROMPT_TOKENS // 2
     assert {p.stat().st_size for p in pages} == {30 * k8v4_row + 4 + 8}
     assert (l3_meta.get("cached_tokens_details") or {}).get("storage", 0) > PROMPT_TOKENS // 2, l3_meta
-    assert l3_ids == ids
+    assert ids.matches(l3_ids), (ids, l3_ids)
     assert l3["recomputed_restores"] > after["recomputed_restores"]   # the front again
     assert refused >= 1 and bad_meta["cached_tokens"] < 16, bad_meta
-    assert bad_ids == ids                             # recomputed, not loaded
+    assert ids.matches(bad_ids), (ids, bad_ids)       # recomputed, not loaded
     assert totals["nodes"] >= 1 and totals["tokens"] >= PROMPT_TOKENS - 32   # less the shared head
     assert totals["pairs_skipped"] >= totals["nodes"]
     # Krul's estimator observed the conversations as they were served: their nodes use
@@ -199,7 +222,7 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     stage = restore_clock.delta(after["restore"], totals["restore"])
     assert stage["loads"] == 1 and stage["refused"] == 0, stage
     assert stage["tokens"] >= host and stage["admit_seconds"] > 0, stage
-    assert again_ids == ids
+    assert ids.matches(again_ids), (ids, again_ids)
     # the same figures beside sglang's metrics
     metrics = requests.get(f"{server.url}/metrics", timeout=60).text
     assert 'sgl_spec:krul{figure="recomputed_restores"}' in metrics
@@ -222,5 +245,5 @@ def test_merged_pairs_are_stored_and_a_corrupted_payload_is_recomputed(model_pat
     stage = restore_clock.delta(after["restore"], totals["restore"])
     assert stage["refused"] >= 1, stage
     assert (meta.get("cached_tokens_details") or {}).get("host", 0) == 0, meta
-    assert again_ids == ids                  # recomputed exactly, not loaded
+    assert ids.matches(again_ids), (ids, again_ids)  # recomputed, not loaded
     assert after["recompute_share"] == 0 and after["recomputed_restores"] == 0
