@@ -268,9 +268,7 @@ class DecodeConfig:
     @property
     def drops_sparse_kv(self) -> bool:
         """Whether the radix cache keeps only dense passes' KV (--spec-sparse-kv-cache,
-        'auto': drop for specontext, keep for the other modes)."""
-        if self.mode == "exact":
-            return False
+        'auto': drop for specontext, keep for the other modes; exact refuses drop)."""
         return self.sparse_kv_cache == "drop" or (self.sparse_kv_cache == "auto"
                                                   and self.mode == "specontext")
 
