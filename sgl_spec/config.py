@@ -178,6 +178,12 @@ FLAGS: tuple[Flag, ...] = (
          "profile's host tier balances (a pyramid, most at the first layer) unstored, and "
          "its restore recomputes them while the rest is loaded. Empty: every row is "
          "stored and loaded (share 0, what this CPU's calibration chooses)."),
+    Flag("--spec-check-invariants", "", "check_invariants", "bool",
+         "Debug: after every scheduler step check that no KV slot is both free and held "
+         "by the radix tree or a running request, and when the server goes idle that "
+         "every per-request structure of sgl_spec is empty; violations are logged as "
+         "errors and served at GET /sgl_spec/cache ('invariants'). Costs a pass over the "
+         "KV pool's slot ids per step."),
     Flag("--spec-disable", "", "disable", "bool",
          "Serve with stock sglang components (torch_native attention on CPU, sglang's "
          "default radix cache) for side-by-side comparison."),
@@ -354,6 +360,7 @@ class SpecConfig:
     """What ``--spec-*`` selected. Immutable; every part validated on construction."""
 
     disable: bool = False
+    check_invariants: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
@@ -378,7 +385,7 @@ class SpecConfig:
     @classmethod
     def from_json(cls, text: str) -> SpecConfig:
         data = json.loads(text)
-        known = {"disable", *PARTS}
+        known = {"disable", "check_invariants", *PARTS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{envs.SGLSPEC_CONFIG} has unknown keys {unknown}; "

@@ -28,6 +28,9 @@ SGLSPEC_KRUL_CORRUPT = "SGLSPEC_KRUL_CORRUPT"
 # sglang's own: a core group per CPU rank ("0|1"). The launcher sets it where the user
 # did not and ranks outnumber NUMA nodes (sgl_spec.integration.cpu.threads).
 SGLANG_CPU_OMP_THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+# sglang's own: check the KV pool's accounting after every scheduler step. The launcher
+# sets it with --spec-check-invariants, whose checks run beside sglang's.
+SGLANG_STRICT_BUSY_CHECK = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"
 
 
 def _choice(name: str, valid: tuple[str, ...]) -> str:

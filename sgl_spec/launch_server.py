@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         _spec_parser().error(str(exc))
     cfg = with_krul(with_head(cfg, argv), argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
+    if cfg.check_invariants:  # sglang's busy check, which sgl_spec's joins
+        os.environ.setdefault(envs.SGLANG_STRICT_BUSY_CHECK, "1")
     server.serve(argv, add_route=not cfg.disable)
 
 

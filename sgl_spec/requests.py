@@ -89,6 +89,12 @@ class RequestHub:
             for rid in [r for r, (_, at) in self._seeds.items() if at < cutoff]:
                 del self._seeds[rid]
 
+    def idle(self) -> None:
+        """No request runs or waits: drop the offers and seeds nobody can read any more
+        (those of requests aborted in the queue, which are never released)."""
+        self._offered.clear()
+        self._seeds.clear()
+
     def release(self, rid: str) -> None:
         """The request's KV row is given back: drop everything kept for it."""
         self._offered.pop(rid, None)

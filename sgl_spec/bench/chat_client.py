@@ -176,8 +176,8 @@ def warmup(client, model: str) -> None:
     )
 
 
-def make_client(base_url: str, timeout_s: float = 900.0):
+def make_client(base_url: str, timeout_s: float = 900.0, api_key: str = "none"):
     import openai
 
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=timeout_s,
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, timeout=timeout_s,
                          max_retries=0)

@@ -169,6 +169,10 @@ class SpecRadixCache(UnifiedRadixCache):
                       dead=self._dead())
         out["live_requests"] = HUB.live()
         out["restore"] = self._restore()
+        if self.spec_cfg.check_invariants:
+            from .invariants import LOG
+
+            out["invariants"] = LOG.as_dict()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
             self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"],
                                      out["restore"])

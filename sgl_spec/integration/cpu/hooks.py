@@ -14,6 +14,9 @@ torchvision is imported:
   the default model's directory the ChatML template in the frontend language.
 * after sglang's scheduler ``internal_state`` module executes (every host): the
   turn-aware cache summary joins the internal state (``GET /sgl_spec/cache``).
+* after sglang's scheduler ``invariant_checker`` module executes (every host), with
+  ``--spec-check-invariants``: sgl_spec's KV-slot and per-request checks join
+  sglang's (:mod:`sgl_spec.integration.invariants`).
 * after ``mem_cache.kv_cache_configurator`` executes (every host): with a retrieval
   head (``--spec-mode specontext``) its MHA pool gets the head's layer
   (:mod:`sgl_spec.integration.head`).
@@ -69,6 +72,8 @@ AFTER: dict[str, _Hook] = {
         _lazy("sgl_spec.integration.krul:patch_host_pool"),
     "sglang.srt.managers.data_parallel_controller":
         _lazy("sgl_spec.integration.dp_dispatch:patch_controller"),
+    "sglang.srt.managers.scheduler_components.invariant_checker":
+        _lazy("sgl_spec.integration.invariants:patch_checker"),
 }
 # Hooks active only on hosts without CUDA.
 _HICACHE = "sgl_spec.integration.cpu.hicache"
