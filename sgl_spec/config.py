@@ -126,7 +126,9 @@ FLAGS: tuple[Flag, ...] = (
          "must cover."),
     Flag("--spec-prefill-min-tokens", "prefill", "min_tokens", "int",
          "loopserve prefill: extends with fewer new tokens (short turns, decode-sized "
-         "chunks) take the exact path.", lo=1),
+         "chunks) take the exact path, and in every extend the positions below this "
+         "attend densely, so a prompt shorter than this only reuses cached KV that dense "
+         "attention wrote.", lo=1),
     Flag("--spec-prefill-max-density", "prefill", "max_density", "fraction",
          "loopserve prefill: a layer whose selected lines cover more than this share of "
          "the causal cells makes the dense call instead; 1 never falls back."),

@@ -111,6 +111,29 @@ def test_below_min_tokens_is_bit_identical_to_exact():
     assert not sp.stats.layers
 
 
+@pytest.mark.parametrize("prefix", [0, 10], ids=["fresh", "over-a-short-prefix"])
+def test_positions_below_min_tokens_attend_densely_in_a_sparse_extend(prefix):
+    """The KV a sparse extend writes for positions < min_tokens is what dense attention
+    writes (the radix cache shares it with short prompts, which are served exactly:
+    issue 48); the rows from min_tokens on attend the lines selected from them alone."""
+    batch = Batch([prefix], [40 - prefix], dtype=torch.bfloat16)
+    sp = _Recorder(PrefillConfig(mode="loopserve", min_tokens=16, max_density=1.0), 1,
+                   hub=RequestHub(), select=SELECT)
+    got = extend(sp, batch)
+    head = 16 - prefix
+    assert torch.equal(got[:head], extend(None, batch)[:head])
+    assert sp.stats.sparse_extends == 1
+    k, v = batch.k[batch.slots(0)], batch.v[batch.slots(0)]
+    lines = select_lines(batch.q[head:], k, 16, SELECT, SCALE)
+    want = vslash_attention_ref(batch.q[head:], k, v, lines, 16, SCALE)
+    torch.testing.assert_close(got[head:].float(), want.float(), rtol=2e-2, atol=2e-2)
+    # A prompt of exactly min_tokens has no row past it: the exact path, not counted sparse.
+    whole = Batch([0], [16], dtype=torch.bfloat16)
+    sp = prefill(min_tokens=16, max_density=1.0)
+    assert torch.equal(extend(sp, whole), extend(None, whole))
+    assert (sp.stats.sparse_extends, sp.stats.exact_extends) == (0, 1)
+
+
 def _count_selections(monkeypatch) -> list:
     """Patch the prefill's select_lines to record each call; returns the record."""
     calls = []

@@ -4,7 +4,15 @@
 new tokens (a new turn, or a chunk of one) selects vertical/slash lines per layer
 and KV head from a sample of its own queries (``select_lines``, Algorithm 2) and
 attends only those lines (``vslash_attention``, torch impl). Shorter extends take
-the exact path unchanged. Per forward pass:
+the exact path unchanged.
+
+Positions below ``min_tokens`` always attend densely, in a sparse extend too (its
+first rows take the exact path): the radix cache shares a prefix's KV with every
+later request that matches it, and a prompt shorter than ``min_tokens`` is served
+exactly, so the KV it can match must be what dense attention writes. (A long request
+that was first to prefill the chat template's system prompt otherwise left the
+line kernel's KV for it in the tree, and a short question over it flipped a near
+tie: issue 48.) Per forward pass:
 
     turns = prefill.plan(batch)                once, before the layers
     prefill.extend(turns[i], layer, q, k, v, history_len, scale, exact)
@@ -39,6 +47,7 @@ from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines
 from sgl_spec.requests import HUB, Lines, RequestHub
 
 from .batch import BatchView
+from .extend import exact_extend
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +134,16 @@ class SparsePrefill:
     def wants(self, q_len: int) -> bool:
         return q_len >= self.cfg.min_tokens
 
+    def dense_rows(self, history_len: int, n: int) -> int:
+        """How many of an extend's ``n`` rows (after ``history_len`` cached tokens) sit
+        at positions below ``min_tokens``, which attend densely."""
+        return min(max(self.cfg.min_tokens - history_len, 0), n)
+
     def plan(self, batch: BatchView) -> dict[int, Turn]:
         """The pass's sparse extends (an extend pass), by batch index."""
         turns = {}
         for i, (rid, n, e) in enumerate(zip(batch.rids, batch.seq_lens, batch.extend_lens)):
-            if self.wants(e):
+            if self.wants(e) and self.dense_rows(n - e, e) < e:
                 seeds = self.hub.seeds(rid, n - e) if self.cfg.reuse else None
                 turns[i] = Turn(rid, n, seeds.layers if seeds else None, self.cfg.reuse)
         sparse = len(turns)
@@ -151,9 +165,16 @@ class SparsePrefill:
         exact: Callable[[], torch.Tensor],  # the row's dense call (exact mode's), [n, Hq, D]
     ) -> torch.Tensor:  # [n, Hq, D], q.dtype
         """Select this layer's lines and attend them (LoopServe Alg. 2 + §5.2), or
-        make the dense call where the lines would be too dense to pay."""
+        make the dense call where the lines would be too dense to pay. Rows at
+        positions below ``min_tokens`` attend densely either way."""
         st = self.stats.layers.setdefault(layer, LayerStats())
         over = self._over.get(layer, 0)
+        head = self.dense_rows(history_len, q.shape[0])
+        if head == q.shape[0]:  # every row below min_tokens: nothing to select
+            st.dense += 1
+            out = exact()
+            self._maybe_finish(turn, layer)
+            return out
         if over % REPROBE_EVERY:
             # Too dense last time: skip the selection, re-select every REPROBE_EVERY.
             self._over[layer] = over + 1
@@ -162,17 +183,22 @@ class SparsePrefill:
             self._maybe_finish(turn, layer)
             return out
         seeds = turn.seeds.get(layer) if turn.seeds else None
+        # The sparse rows: the extend's rows from position max(min_tokens, N) on.
+        sq, hist = q[head:], history_len + head
         t0 = time.perf_counter()
-        lines = select_lines(q, k, history_len, self.select, scale, seeds=seeds)
+        lines = select_lines(sq, k, hist, self.select, scale, seeds=seeds)
         t1 = time.perf_counter()
-        dens = float(density(lines, q.shape[0], history_len).mean())
+        dens = float(density(lines, sq.shape[0], hist).mean())
         skip = dens > self.cfg.skip_density
         self._over[layer] = over + 1 if skip else 0
         if dens > self.cfg.max_density:
             st.dense += 1
             out = exact()
         else:
-            out = vslash_attention(q, k, v, lines, history_len, scale, impl="torch")
+            out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+            out[head:] = vslash_attention(sq, k, v, lines, hist, scale, impl="torch")
+            if head:
+                out[:head] = exact_extend(q[:head], k[:hist], v[:hist], history_len, scale)
         t2 = time.perf_counter()
         st.extends += 1
         st.density += dens
