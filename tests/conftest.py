@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.abc
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +32,8 @@ if os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") == "1":
 
 from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
+from sgl_spec.head.train import TrainConfig
+from sgl_spec.train_head import head_dir, is_prepared
 
 # SGLang's own test files, where a user put them (tests/upstream/SOURCES.md), are run by
 # python -m sgl_spec.integration.upstream_tests, not by this suite.
@@ -43,6 +46,9 @@ collect_ignore = ["upstream"]
 TEST_POOL = 16384
 COMMON_FLAGS = [*configset.COMMON_FLAGS, "--sleep-on-idle"]
 COMMON_FLAGS[COMMON_FLAGS.index("--max-total-tokens") + 1] = str(TEST_POOL)
+# Every shared sgl_spec server checks its KV slots and per-request structures after each
+# step (GET /sgl_spec/cache -> invariants); tests read the counts.
+SPEC_CHECKS = ["--spec-check-invariants"]
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +107,7 @@ def _log_path(tmp_path_factory, name: str) -> str:
 
 def _spec_flags(model_path: str) -> list[str]:
     """sgl_spec.launch_server, exact mode, with the sgl_spec defaults."""
-    return ["--model-path", model_path, *COMMON_FLAGS]
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS]
 
 
 def _stock_flags(model_path: str) -> list[str]:
@@ -114,10 +120,34 @@ def _loopserve_flags(model_path: str) -> list[str]:
     0, so every history is covered and decode is exact mode's token for token; sparse
     prefill of extends from 600 tokens at alpha 0.98 (the paper's 0.955 loses planted
     facts on this 135M model), so shorter prompts prefill exactly."""
-    return ["--model-path", model_path, *COMMON_FLAGS,
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS,
             "--spec-mode", "loopserve", "--spec-budget", "4096", "--spec-min-context", "0",
             "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "600",
             "--spec-prefill-alpha", "0.98"]
+
+
+SPECONTEXT_BUDGET = 64
+
+
+def _head(model_path: str) -> str:
+    """The quick form of the head, trained once into the cache dir like a user's default
+    head (reused by later runs), in a subprocess: this runs in the launch thread, beside
+    the unit tests (no imports here: they would change sys.modules under pytest)."""
+    out = head_dir(model_path, TrainConfig.quick())
+    if not is_prepared(out):
+        subprocess.run([sys.executable, "-m", "sgl_spec.train_head", "--model-path", model_path,
+                        "--out", out, "--quick"], check=True, capture_output=True, timeout=600)
+    return out
+
+
+def _specontext_flags(model_path: str) -> list[str]:
+    """SpeContext from 256 tokens of history; a pool that holds one ~1000-token request
+    and a half, with HiCache (tests evict prompts to the host tier)."""
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS,
+            "--spec-mode", "specontext", "--spec-draft-path", _head(model_path),
+            "--spec-budget", str(SPECONTEXT_BUDGET), "--spec-min-context", "256",
+            "--enable-metrics", "--max-total-tokens", "1400",
+            "--enable-hierarchical-cache", "--hicache-ratio", "2"]
 
 
 class Early(NamedTuple):
@@ -141,6 +171,7 @@ EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
     "spec_server": Early(SPEC, _spec_flags),
     "stock_server": Early(STOCK, _stock_flags),
     "loopserve_server": Early(SPEC, _loopserve_flags),
+    "specontext_server": Early(SPEC, _specontext_flags, prepares=True),
 }
 _launched: dict[str, ServerProcess] = {}
 _launch_failed: dict[str, BaseException] = {}
@@ -169,6 +200,21 @@ def early_server(name: str, model_path: str):
             from _launch_failed.pop(name)
     with _launched.pop(name, None) or EARLY_SERVERS[name].server(model_path) as server:
         yield server
+        _assert_invariants_held(server)
+
+
+def _assert_invariants_held(server: ServerProcess) -> None:
+    """A shared server that ran with --spec-check-invariants found no violation in any
+    test that used it."""
+    import requests
+
+    if "--spec-check-invariants" not in server.args or server.proc.poll() is not None:
+        return
+    key = server.args[server.args.index("--api-key") + 1] if "--api-key" in server.args else None
+    state = requests.get(server.url + "/sgl_spec/cache", timeout=60,
+                         headers={"Authorization": f"Bearer {key}"} if key else None).json()
+    inv = state["invariants"]
+    assert inv["checks"] > 0 and inv["violations"] == 0, inv
 
 
 def pytest_collection_modifyitems(items):
@@ -233,3 +279,9 @@ def stock_server(model_path):
 def loopserve_server(model_path):
     """One LoopServe server for the sparse decode and prefill tests (_loopserve_flags)."""
     yield from early_server("loopserve_server", model_path)
+
+
+@pytest.fixture(scope="session")
+def specontext_server(model_path):
+    """SpeContext with the quick head (_specontext_flags), for its tests and the storm's."""
+    yield from early_server("specontext_server", model_path)

@@ -58,3 +58,16 @@ def test_a_freed_prefix_that_is_still_cached_names_both_owners():
     free, tree, owners = t(1, 2, *range(8, 17)), t(1, 2, 3, 4), [Owner("r", t(), t(5, 6, 7))]
     found = slot_violations(N, free, tree, owners)
     assert found == ["2 free slot(s) still in the radix tree: [1, 2]"]
+
+
+def test_an_idle_hub_drops_what_no_request_can_read():
+    """Offers and seeds of requests that left without a release (aborted in the queue)
+    go when the scheduler is idle; live counts then read 0 (the idle invariant)."""
+    from sgl_spec.requests import Lines, RequestHub
+
+    hub = RequestHub()
+    hub.offer_lines("aborted-in-queue", Lines(8, {}))
+    hub.set_seeds("matched-then-aborted", Lines(4, {}))
+    assert hub.live()["prefill_lines_offered"] == 1 and hub.live()["prefill_seeds"] == 1
+    hub.idle()
+    assert not any(hub.live().values()) and len(hub) == 0

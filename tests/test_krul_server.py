@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import EARLY_SERVERS, Early, early_dir, early_server
+from conftest import EARLY_SERVERS, SPEC_CHECKS, Early, early_dir, early_server
 from sgl_spec import boot
 from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC, flush_cache
@@ -45,7 +45,7 @@ def _args(model_path: str) -> list[str]:
         "--max-total-tokens", "1100",
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
         "--enable-cache-report", "--sleep-on-idle", "--enable-metrics",
-        "--spec-krul", "--spec-krul-stats", _stats(model_path),
+        "--spec-krul", "--spec-krul-stats", _stats(model_path), *SPEC_CHECKS,
     ]  # fmt: skip
 
 

@@ -7,58 +7,24 @@ back with the token's KV."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import requests
 
 from _aborts import abort_streams, wait_until_freed
-from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
 from sgl_spec.cache import restore_clock
-from sgl_spec.head.train import TrainConfig
-from sgl_spec.train_head import head_dir, is_prepared
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
 
-BUDGET, SINK, WINDOW = 64, 4, 64
+from conftest import SPECONTEXT_BUDGET as BUDGET
+
+SINK, WINDOW = 4, 64
 ROWS = SINK + BUDGET + WINDOW  # staged per request, layer and KV head
-
-
-def _head(model_path: str) -> str:
-    """The quick form of the head, trained once into the cache dir like a user's default
-    head (reused by later runs), in a subprocess: this runs in conftest's launch thread,
-    beside the unit tests (no imports here: they would change sys.modules under pytest)."""
-    out = head_dir(model_path, TrainConfig.quick())
-    if not is_prepared(out):
-        subprocess.run([sys.executable, "-m", "sgl_spec.train_head", "--model-path", model_path,
-                        "--out", out, "--quick"], check=True, capture_output=True, timeout=600)
-    return out
-
-
-def _flags(model_path: str) -> list[str]:
-    """A pool that holds one ~1000-token request and a half, with HiCache: the last
-    test evicts a prompt to the host tier."""
-    return ["--model-path", model_path, *COMMON_FLAGS, "--spec-mode", "specontext",
-            "--spec-draft-path", _head(model_path), "--spec-budget", str(BUDGET),
-            "--spec-min-context", "256", "--enable-metrics",
-            "--max-total-tokens", "1400", "--enable-hierarchical-cache", "--hicache-ratio", "2"]
-
-
-EARLY_SERVERS["specontext_server"] = Early(SPEC, _flags, prepares=True)
 
 
 @pytest.fixture(scope="module")
 def server(specontext_server):
     return specontext_server
-
-
-@pytest.fixture(scope="module")
-def specontext_server(model_path):
-    """One specontext server for the module (a start is ~40 s on 2 cores), launched
-    with the session's shared servers."""
-    yield from early_server("specontext_server", model_path)
 
 
 @pytest.mark.server

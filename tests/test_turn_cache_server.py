@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import COMMON_FLAGS, EARLY_SERVERS, Early, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, Early, early_server
 from sgl_spec.bench.server import SPEC
 
 pytestmark = pytest.mark.server
@@ -108,7 +108,7 @@ KEY = "sgl-spec-test-key"  # this server also runs with sglang's --api-key
 
 
 def _turn_flags(model_path: str) -> list[str]:
-    return ["--model-path", model_path, *COMMON_FLAGS,
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS,
             "--chat-template", str(DATA / "chatml_reasoning.jinja"),
             "--reasoning-parser", "qwen3", "--spec-cache-eviction", "turn",
             "--max-total-tokens", str(POOL), "--enable-metrics", "--api-key", KEY]

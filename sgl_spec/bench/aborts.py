@@ -52,6 +52,7 @@ MAX_CHUNKS = 30  # a stream is cut after 0..MAX_CHUNKS chunks
 PROBES = ("What is the capital of France?", "Name three primary colours.",
           "What is 12 times 12?", "Who wrote Romeo and Juliet?")
 PROBE_TOKENS = 16
+PROBE_CHATS = [[{"role": "user", "content": q}] for q in PROBES]
 OVER_CONTEXT_WORDS = 12000
 
 
@@ -64,18 +65,18 @@ def prose(words: list[str], n: int, rng: random.Random) -> str:
     return " ".join(words[start : start + n])
 
 
-def _headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {API_KEY}"}
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def stream_and_cut(url: str, text: str, cut_after: int) -> int:
-    """Stream one chat request and close the connection after ``cut_after`` chunks;
-    returns the chunks read."""
-    body = {"model": "default", "stream": True, "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True,
-            "messages": [{"role": "user", "content": text + "\n\nSummarise."}]}
+def stream_and_cut(url: str, messages: list[dict], cut_after: int, max_tokens: int = 200,
+                   api_key: str | None = API_KEY) -> int:
+    """Stream one greedy chat request (``ignore_eos``) and close the connection after
+    ``cut_after`` chunks (0: before the first token); returns the chunks read."""
+    body = {"model": "default", "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "messages": messages}
     read = 0
-    with requests.post(url + "/v1/chat/completions", json=body, headers=_headers(),
+    with requests.post(url + "/v1/chat/completions", json=body, headers=_headers(api_key),
                        stream=True, timeout=1800) as r:
         for _ in r.iter_lines():
             if read >= cut_after:
@@ -84,56 +85,74 @@ def stream_and_cut(url: str, text: str, cut_after: int) -> int:
     return read
 
 
-def aborted_streams(url: str, seed: int, streams: int, gap_s: float) -> list[dict]:
-    """Step 1: the streams, each on its own connection and thread."""
-    rng, words = random.Random(seed), _words()
-    plan = [(rng.choice(WORDS), rng.randint(0, MAX_CHUNKS)) for _ in range(streams)]
-    texts = [prose(words, n, rng) for n, _ in plan]
-    out: list[dict] = [{"words": n, "cut_after": c} for n, c in plan]
+def cut_streams(url: str, plan: list[tuple[list[dict], int]], gap_s: float,
+                max_tokens: int = 200, api_key: str | None = API_KEY,
+                beside=None) -> list[dict]:
+    """Stream each ``(messages, cut_after)`` of ``plan`` on its own connection and thread,
+    ``gap_s`` apart, and ``beside()`` (if given) on one more thread meanwhile; returns
+    per stream the chunks read or the error, once every thread is done."""
+    out: list[dict] = [{"cut_after": c} for _, c in plan]
 
-    def run(i: int) -> None:
+    def one(i: int) -> None:
         try:
-            out[i]["chunks"] = stream_and_cut(url, texts[i], plan[i][1])
+            out[i]["chunks"] = stream_and_cut(url, plan[i][0], plan[i][1], max_tokens, api_key)
         except requests.RequestException as e:
             out[i]["error"] = str(e)[:200]
 
-    threads = []
-    for i in range(streams):
-        threads.append(threading.Thread(target=run, args=(i,), daemon=True))
-        threads[-1].start()
+    threads = [threading.Thread(target=beside, daemon=True)] if beside else []
+    for i in range(len(plan)):
+        threads.append(threading.Thread(target=one, args=(i,), daemon=True))
+    for t in threads:
+        t.start()
         time.sleep(gap_s)
     for t in threads:
         t.join()
     return out
 
 
-def malformed(url: str) -> list[int]:
+def aborted_streams(url: str, seed: int, streams: int, gap_s: float) -> list[dict]:
+    """Step 1: the issue's streams (``WORDS`` of prose, cut after 0-``MAX_CHUNKS``)."""
+    rng, words = random.Random(seed), _words()
+    sizes = [(rng.choice(WORDS), rng.randint(0, MAX_CHUNKS)) for _ in range(streams)]
+    plan = [([user(prose(words, n, rng) + "\n\nSummarise.")], c) for n, c in sizes]
+    out = cut_streams(url, plan, gap_s)
+    for o, (n, _) in zip(out, sizes):
+        o["words"] = n
+    return out
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def malformed(url: str, api_key: str | None = API_KEY) -> list[int]:
     """Step 2: the statuses of the six malformed requests (each should be 400)."""
-    u = url + "/v1/chat/completions"
-    raw = {**_headers(), "Content-Type": "application/json"}
-    msg = lambda role, text: {"model": "default", "messages": [{"role": role, "content": text}]}  # noqa: E731
+    u, auth = url + "/v1/chat/completions", _headers(api_key)
+    raw = {**auth, "Content-Type": "application/json"}
+    chat = lambda **kw: {"model": "default", "messages": [user("hi")], **kw}  # noqa: E731
     over = " ".join((_words() * 2)[:OVER_CONTEXT_WORDS])
     return [
         requests.post(u, data=b"{not json", headers=raw, timeout=60).status_code,
-        requests.post(u, json=msg("wizard", "hi"), headers=_headers(), timeout=60).status_code,
-        requests.post(u, json={"model": "default", "messages": []}, headers=_headers(),
-                      timeout=60).status_code,
-        requests.post(u, json={**msg("user", "hi"), "max_tokens": -3}, headers=_headers(),
-                      timeout=60).status_code,
-        requests.post(u, json=msg("user", over), headers=_headers(), timeout=600).status_code,
+        requests.post(u, json=chat(messages=[{"role": "wizard", "content": "hi"}]),
+                      headers=auth, timeout=60).status_code,
+        requests.post(u, json=chat(messages=[]), headers=auth, timeout=60).status_code,
+        requests.post(u, json=chat(max_tokens=-3), headers=auth, timeout=60).status_code,
+        requests.post(u, json=chat(messages=[user(over)]), headers=auth,
+                      timeout=600).status_code,
         requests.post(u, data=b"\xff\xfe\x00garbage", headers=raw, timeout=60).status_code,
     ]
 
 
-def probe(url: str) -> list:
-    """Step 3: the probes' greedy answers (ids and top-2 logprobs), one at a time."""
-    client = make_client(url, api_key=API_KEY)
-    return [stream_turn(client, "default", [{"role": "user", "content": q}], PROBE_TOKENS,
-                        f"probe-{i}", 1) for i, q in enumerate(PROBES)]
+def probe(url: str, conversations: list[list[dict]], api_key: str | None = API_KEY,
+          max_tokens: int = PROBE_TOKENS) -> list:
+    """Step 3: greedy answers (ids and top-2 logprobs), one conversation at a time."""
+    client = make_client(url, api_key=api_key or "none")
+    return [stream_turn(client, "default", messages, max_tokens, f"probe-{i}", 1)
+            for i, messages in enumerate(conversations)]
 
 
-def server_state(url: str) -> dict:
-    j = requests.get(url + "/sgl_spec/cache", headers=_headers(), timeout=60).json()
+def server_state(url: str, api_key: str | None = API_KEY) -> dict:
+    j = requests.get(url + "/sgl_spec/cache", headers=_headers(api_key), timeout=60).json()
     return {"live_requests": j["live_requests"], "invariants": j.get("invariants")}
 
 
@@ -150,7 +169,7 @@ def compare(reference: list, answers: list) -> list[dict]:
 
 def run(flags: list[str], seeds: list[int], streams: int, gap_s: float, log_dir: str) -> dict:
     with ServerProcess(SPEC, flags, log_path=f"{log_dir}/server-fresh.log") as server:
-        reference = probe(server.url)
+        reference = probe(server.url, PROBE_CHATS)
     seeds_out = []
     for seed in tqdm(seeds, desc="seeds", unit="seed"):
         with ServerProcess(SPEC, flags, log_path=f"{log_dir}/server-seed{seed}.log",
@@ -158,7 +177,7 @@ def run(flags: list[str], seeds: list[int], streams: int, gap_s: float, log_dir:
             t0 = time.monotonic()
             played = aborted_streams(server.url, seed, streams, gap_s)
             statuses = malformed(server.url)
-            answers = probe(server.url)
+            answers = probe(server.url, PROBE_CHATS)
             seeds_out.append({"seed": seed, "streams": played, "malformed_statuses": statuses,
                               "probes": compare(reference, answers),
                               "seconds": time.monotonic() - t0, **server_state(server.url)})

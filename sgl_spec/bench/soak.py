@@ -112,7 +112,8 @@ def spec_state(url: str) -> dict | None:
         return None
     j = r.json()
     return {"live": j["live_requests"], "cached_by_tier": j["totals"]["by_tier"],
-            "evicted_tokens": sum(j["freed_tokens_by_rule"].values())}
+            "evicted_tokens": sum(j["freed_tokens_by_rule"].values()),
+            "invariants": j.get("invariants")}
 
 
 def live(url: str) -> dict[str, int] | None:
@@ -146,6 +147,8 @@ def run_row(name: str, model: str, args, docs: list[str], mix: Mix, pool: int) -
     module, flags = ROWS[name]
     argv = ["--model-path", model, *configset.COMMON_FLAGS, *flags]
     argv[argv.index("--max-total-tokens") + 1] = str(pool)
+    if module == SPEC:  # KV slots and per-request structures checked every step
+        argv.append("--spec-check-invariants")
     with ServerProcess(module, argv) as server:
         flush_cache(server.url)
         t0 = time.monotonic()
@@ -200,6 +203,8 @@ def summarize(row: dict, warmup_s: float, reference: dict | None) -> dict:
         "peak_live": _peak_live(row["samples"]),
         "evicted_tokens": max((s.get("evicted_tokens", 0) for s in row["samples"]),
                               default=None),
+        "invariants": next((s["invariants"] for s in reversed(row["samples"])
+                            if s.get("invariants")), None),
     }
     if reference is not None and reference is not row:
         out["agreement"] = compare(reference, row)
@@ -236,7 +241,8 @@ def compare(reference: dict, row: dict) -> dict:
 def markdown(results: dict) -> str:
     rows = results["rows"]
     head = ["row", "pool", "requests", "unexpected", "aborted", "over-limit statuses",
-            "RSS growth", "peak KV use", "evicted tokens", "ended empty", "greedy vs " + results["reference"]]
+            "RSS growth", "peak KV use", "evicted tokens", "ended empty",
+            "invariant violations", "greedy vs " + results["reference"]]
     body = []
     for r in rows:
         s = r["summary"]
@@ -250,11 +256,13 @@ def markdown(results: dict) -> str:
         over = ", ".join(f"{k.split()[1]} x{n}" for k, n in s["rejected_statuses"].items()
                          if k.startswith("over_limit")) or "-"
         growth = s["rss_growth_after_warmup"]
+        inv = s.get("invariants")
+        checked = "-" if not inv else f"{inv['violations']} in {inv['checks']} checks"
         body.append([r["name"], str(r["pool_tokens"]), str(s["requests"]), str(s["unexpected"]),
                      str(aborted), over, "-" if growth is None else f"{100 * growth:+.1f}%",
                      render.num(s["peak_kv_usage"]), str(s["evicted_tokens"] or 0),
                      "n/a" if s["end_live"] is None else "yes" if s["ended_empty"] else
-                     f"NO {s['end_live']}", agree])
+                     f"NO {s['end_live']}", checked, agree])
     meta = results["meta"]
     lines = [f"# Soak: {results['clients']} clients x {results['minutes']} min per row", "",
              f"Working set ~{results['working_set_tokens']} tokens (estimate; the reference row "

@@ -11,7 +11,8 @@ wrong answer of an overwritten prefix), so this adds, at the same points:
 * when the scheduler goes idle (no request running or waiting): the same, and every
   per-request structure of sgl_spec (``HUB.live()``) must be empty.
 
-A violation is logged as an error with what broke and counted; ``GET /sgl_spec/cache``
+A violation is logged as an error with what broke and counted in the radix cache's
+``InvariantLog`` (sgl_spec's cache builds one under the flag); ``GET /sgl_spec/cache``
 serves the counts and the first messages (``invariants``). It does not stop the
 server: a test or the soak harness reads the endpoint.
 """
@@ -32,7 +33,7 @@ KEPT = 20  # messages kept for the endpoint
 
 
 class InvariantLog:
-    """What the checks found in this scheduler process."""
+    """What the checks found in one scheduler's cache (written by the scheduler thread)."""
 
     def __init__(self):
         self.checks = 0
@@ -52,9 +53,6 @@ class InvariantLog:
     def as_dict(self) -> dict:
         return {"checks": self.checks, "idle_checks": self.idle_checks,
                 "violations": self.violations, "messages": list(self.messages)}
-
-
-LOG = InvariantLog()
 
 
 def free_slots(allocator) -> torch.Tensor:
@@ -96,6 +94,16 @@ def live_leftovers() -> list[str]:
             for name, n in HUB.live().items() if n]
 
 
+def _log(checker) -> InvariantLog:
+    """The checked cache's log (sgl_spec's cache); a stand-alone one for another cache,
+    whose findings only reach the server log."""
+    log = getattr(checker.tree_cache, "invariant_log", None)
+    if log is None:
+        log = checker.tree_cache.invariant_log = InvariantLog()
+    log.checks += 1
+    return log
+
+
 def patch_checker(module) -> None:
     """Wrap ``SchedulerInvariantChecker``'s busy check and its idle tree check
     (``_check_tree_cache``, which the idle path always calls) when the server runs
@@ -109,14 +117,13 @@ def patch_checker(module) -> None:
 
     def self_check_during_busy(self):
         busy(self)
-        LOG.checks += 1
-        LOG.record("step", check_slots(self))
+        _log(self).record("step", check_slots(self))
 
     def _check_tree_cache(self):
         idle(self)
-        LOG.checks += 1
-        LOG.idle_checks += 1
-        LOG.record("idle", check_slots(self) + live_leftovers())
+        log = _log(self)
+        log.idle_checks += 1
+        log.record("idle", check_slots(self) + live_leftovers())
 
     self_check_during_busy._sgl_spec = _check_tree_cache._sgl_spec = True
     cls.self_check_during_busy = self_check_during_busy

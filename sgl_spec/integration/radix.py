@@ -40,6 +40,7 @@ from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig, current
 from sgl_spec.requests import HUB, Lines
 
+from .invariants import InvariantLog
 from .tree_core import SpecTreeCore
 from .tree_view import SlotTokens, node_segments
 
@@ -77,6 +78,8 @@ class SpecRadixCache(UnifiedRadixCache):
             alloc = params.token_to_kv_pool_allocator
             self._slots = SlotTokens(4 * (alloc.size if alloc is not None else 1 << 16))
         self.restore_clock = RestoreClock()
+        # --spec-check-invariants: what the scheduler's checks found (integration.invariants)
+        self.invariant_log = InvariantLog() if cfg.check_invariants else None
         self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable) if params.enable_metrics
                              else None)
 
@@ -169,10 +172,8 @@ class SpecRadixCache(UnifiedRadixCache):
                       dead=self._dead())
         out["live_requests"] = HUB.live()
         out["restore"] = self._restore()
-        if self.spec_cfg.check_invariants:
-            from .invariants import LOG
-
-            out["invariants"] = LOG.as_dict()
+        if self.invariant_log is not None:
+            out["invariants"] = self.invariant_log.as_dict()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
             self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"],
                                      out["restore"])
