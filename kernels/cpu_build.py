@@ -1,6 +1,6 @@
 """Build-on-first-use for sgl_spec's C++ CPU kernels (``*/csrc/*.cpp``).
 
-``torch.utils.cpp_extension.load`` compiles a kernel once (g++ and ninja, 30-180 s)
+``torch.utils.cpp_extension.load`` compiles a kernel once (g++ and ninja, minutes)
 and caches it under torch's extension directory (``TORCH_EXTENSIONS_DIR``), in a
 directory of its own per source digest (the ``.cpp``, the shared headers, the flags, the
 torch version) and CPU vector capability (the sources are compiled with
@@ -110,7 +110,7 @@ def _build(name: str, source: Path) -> ModuleType:
         if built is not None:
             return built
         (directory / STAMP).unlink(missing_ok=True)
-        logger.info("building the C++ CPU kernel %s (once, 30-180 s)", source.name)
+        logger.info("building the C++ CPU kernel %s (once; it takes a while)", source.name)
         module = load(name=module_name, sources=[str(source)],
                       extra_cflags=FLAGS, extra_include_paths=[str(INCLUDE)],
                       extra_ldflags=["-fopenmp"], build_directory=str(directory),

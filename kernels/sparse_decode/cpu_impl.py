@@ -2,10 +2,8 @@
 
 The kernel reads each attended K/V row straight from the paged pool (no gather, no
 copy), converting bf16/fp16 rows in registers, splits long lists across threads and
-merges the parts by their maxima. At a 7k-token history, one decode step's attention
-over 30 layers of the default model takes ~40 ms on this project's AVX2-only 2-core CPU
-(torch_native's per-request SDPA: ~280 ms; a B=1024 sparse step: ~8 ms), ~14 ms on an
-AVX-512 one (``python -m sgl_spec.bench.decode_kernels``). Built on first use
+merges the parts by their maxima (against torch_native's per-request SDPA:
+``python -m sgl_spec.bench.decode_kernels``; docs/cpu.md). Built on first use
 (``kernels.cpu_build``; ``SGLSPEC_CPU_KERNELS=0`` turns it off), instantiated for
 head dims 32 / 64 / 128, 1-8 query heads per KV head, fp32 / bf16 / fp16 K/V.
 """

@@ -111,7 +111,7 @@ def fill_selected(
     """Write one layer's selected pages into ``pages.indices`` (in place, no sync).
 
     Six small kernels over flat indices made at plan time: per layer this runs 30+
-    times a step, where launches, not bytes, are the cost (GPU check, 2026-11-27).
+    times a step, where launches, not bytes, are the cost (docs/specontext.md, GPU).
     """
     if len(pages.sel_at):
         if sel_idx.shape[2] != pages.sel_width:

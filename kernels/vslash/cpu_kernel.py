@@ -1,8 +1,8 @@
 """The C++ slash-line kernel for CPUs (``csrc/slash_cpu.cpp``): loader and wrapper.
 
 The torch path computes far slash lines with ``sampled_addmm`` + ``embedding_bag``
-and near ones as masked rectangles; both cost 2-4x a fused kernel per selected cell
-on a CPU, which ate most of the line-sparse saving. ``csrc/slash_cpu.cpp`` computes
+and near ones as masked rectangles; both cost several times a fused kernel per
+selected cell on a CPU, which ate most of the line-sparse saving. ``csrc/slash_cpu.cpp`` computes
 every slash cell (the local band included) directly, row by row over a gathered key
 list, skipping cells on selected verticals (see the source's header).
 ``torch_impl.vslash_attention_torch`` then needs only two parts per row block, the

@@ -108,8 +108,8 @@ def sampled_attention(
     g = dims.group
     pos = history_len + rows.to(q.device)  # [S]
     noncausal = torch.arange(dims.num_keys, device=q.device)[None, :] > pos[:, None]
-    # 16-bit inputs (the KV cache's dtype) multiply in 16 bits, several times faster
-    # than fp32 on a CPU with AVX512-BF16. The scores round to bf16 (2^-9 of each score), which
+    # 16-bit inputs (the KV cache's dtype) multiply in 16 bits, faster than fp32 on a
+    # CPU with native bfloat16. The scores round to bf16 (2^-9 of each score), which
     # moves a probability by a few percent at most for the largest logits: the
     # selection ranks line masses of a sample, and its coverage guarantee holds on
     # the probabilities it computed. The softmax is fp32.

@@ -72,7 +72,7 @@ def _sddmm(
         warnings.simplefilter("ignore")
         for h in range(lg):
             # The pattern's values are a view of s[h]: out= writes the dots in place
-            # (3x faster than letting sampled_addmm allocate and clone).
+            # (instead of letting sampled_addmm allocate and clone).
             pattern = torch.sparse_csr_tensor(crow, col, s[h].view(-1), size=(r, k_t.shape[1]))
             res = torch.sparse.sampled_addmm(
                 pattern, q_rows[h].contiguous(), k_t, beta=0.0, out=pattern

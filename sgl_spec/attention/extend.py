@@ -1,16 +1,15 @@
 """Exact extend (prefill) attention: only the new queries attend, per request.
 
 sglang's torch_native backend pads each request's query to the whole sequence, so a
-cached prefix still costs full quadratic attention (a 4k prompt with 3999 cached
-tokens: 3.56 s there vs 0.14 s here). Here the new queries attend prefix + new keys.
+cached prefix still costs full quadratic attention. Here the new queries attend prefix
++ new keys.
 Without a prefix the call is the one torch_native makes, bit for bit. Over a prefix,
 one SDPA call needs a causal mask offset by the prefix length, which sends SDPA on a
 CPU to its unfused path; from ``SPLIT_MIN_QUERIES`` new queries on, the CPU instead
 runs the fused kernel twice (prefix columns unmasked, new columns ``is_causal``) and
-merges the two by log-sum-exp (``sgl_spec.kernels.dense``): 2048 new queries over
-1024 cached, 9 query / 3 KV heads, bf16, 2 threads: 110 ms masked, 79 ms split; at 16
-queries the masked call is the faster (1.5 vs 1.9 ms). Same attention, rounded
-differently. Prefill is compute-bound, so a Python loop over the requests of a pass
+merges the two by log-sum-exp (``sgl_spec.kernels.dense``), which is the faster one
+for many queries and the slower for a few (``SPLIT_MIN_QUERIES``: docs/cpu.md). Same
+attention, rounded differently. Prefill is compute-bound, so a Python loop over the requests of a pass
 costs nothing that matters; the spans are computed once per pass.
 """
 

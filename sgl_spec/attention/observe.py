@@ -51,20 +51,17 @@ MAX_SEEDS = 4096  # seeds kept for requests not yet observed (matched, then abor
 class ObserveConfig:
     prefill_rows: int = 8  # query positions observed per extend, at most
     # ... and one per this many new tokens (none under it): a row costs the same over the
-    # history whatever the extend's length, so a 30-token follow-up over a 4k history
-    # observing 8 rows spent ~130 ms of its ~0.7 s TTFT on this CPU (2026-11-27), and one
-    # row, read in place, still ~28 ms of ~0.33 s (8%) in a served profile; a 128-token
-    # extend pays that for ~4x the compute (about the 3% the issue allows)
+    # whole history whatever the extend's length, so a short follow-up observing rows pays
+    # a large share of its TTFT; one row per 128 new tokens keeps it a small one
+    # (bench.krul_overhead measures it; docs/design/krul.md)
     tokens_per_row: int = 128
-    decode_every: int = 64  # decode steps between observed ones (a step's rows at 30
-    # layers and 4k keys took ~50 ms on a 2-core CPU over gathered keys, ~11 ms read in
-    # place by the C++ kernel: 1/64 of that per step)
+    decode_every: int = 64  # decode steps between observed ones (an observed step reads
+    # every layer's keys: 1/64 of that per step)
     max_queued_bytes: int = 256 << 20  # rows waiting for the worker, at most
     # Fold prefill rows on a worker thread (True), in line (False), or None: a worker
     # where the model runs on a GPU (the CPU is free meanwhile: the paper's split), in
-    # line on a CPU host. Measured on a 2-core CPU (bench.krul_overhead, 2048-token
-    # prompts): with the worker, TTFT 1.10x and TPOT 1.59x of the model-pairs row
-    # (2 starts; the folds themselves took 0.19 s of it); in line, 0.95x and 0.91x.
+    # line on a CPU host, where a worker competes with the model for the same cores
+    # (bench.krul_overhead measures both).
     worker: bool | None = None
 
     def __post_init__(self):
@@ -253,9 +250,8 @@ class KrulObserver:
 def _rows_in_place(q: torch.Tensor, k_buf: torch.Tensor, req_to_token: torch.Tensor | None,
                    ob: Observed, scale: float) -> torch.Tensor | None:
     """``attention_rows`` of ``ob`` with its keys read in place from the pool by the C++
-    kernel (CPU): a gather, a float copy and MKL's tiny-M bmm cost a 30-token follow-up
-    over a 4k history ~25 ms of its ~35 ms over 30 layers here. None where the kernel
-    does not take the call."""
+    kernel (CPU), instead of a gather, a float copy and a tiny-M bmm, which cost most of
+    a short follow-up's observation. None where the kernel does not take the call."""
     if req_to_token is None:
         return None
     from sgl_spec.kernels.sparse_decode import head_logits

@@ -137,7 +137,7 @@ class HeadRuntime:
         keys_buf, _ = self.store.buffers()
         n = int(hist.max())
         # CPU: the keys are scored in place by the C++ kernel (a tiny-M bmm over gathered
-        # keys cost ~1.8 ms of a 7k history's step here, the kernel ~0.2 ms).
+        # keys costs several times as much).
         logits = head_logits(q * self.head.scale, keys_buf, batch.req_to_token, rows, hist, n)
         if logits is not None:
             scores = self.head.group_max(logits)

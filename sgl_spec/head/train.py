@@ -135,8 +135,7 @@ def load_target(model_path: str):
     AttentionInterface.register("sgl_spec_head_capture", rec)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # float32: the attention rows are training targets (precision), and CPUs without
-    # AVX512-BF16 run bf16 GEMMs ~5x slower than float32 (an AVX2 host took 100 s a
-    # sequence in bf16).
+    # native bfloat16 run bf16 GEMMs slower than float32 (sgl_spec.cpu).
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, attn_implementation="sgl_spec_head_capture")
     model.eval()
@@ -148,7 +147,7 @@ def capture(model, rec: Recorder, sample: data.Sample, aux_layers: tuple[int, ..
     ids = torch.tensor(sample.ids)[None]
     rec.start(torch.tensor(sample.queries))
     # logits_to_keep=1: only the hidden states and attention rows are kept, and the LM head
-    # over every position was ~1/5 of a long pass on a 151k vocabulary (139 -> 104-114 s)
+    # over every position is a large share of a long pass on a big vocabulary
     out = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
     # hidden_states[i] is the stream entering decoder layer i (0: the embeddings).
     aux = torch.stack([out.hidden_states[i][0] for i in aux_layers], dim=1)

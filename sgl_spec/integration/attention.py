@@ -117,10 +117,6 @@ def create_backend(runner):
     cfg = current()
     # Runs in the scheduler process: the --spec-* flags arrive through the env.
     logger.info("sgl_spec attention backend, config %s", cfg.to_json())
-    if cfg.krul.enable:
-        from .krul_restore import bind
-
-        bind(runner)  # Krul's restore pre-pass runs this model's layers
     cuda = torch.device(runner.device).type == "cuda"
     if cuda and not cfg.decode.retrieval_head:
         return _delegate_on_cuda(runner, cfg)
@@ -131,11 +127,9 @@ def create_backend(runner):
         head, pool_layers = build_runtime(runner, runner.device)
     # SpeContext on CUDA: the same plan, the staged rows on the split-K Triton kernel,
     # copies on a side stream; CUDA graphs off (the launcher's --disable-cuda-graph), so
-    # each layer's call is eager. On an H200 (docs/results/2026-11-27-gpu-flashinfer.md)
-    # a B=1024 step of 30 layers took 2.5-3.8 ms on Triton, 4.0-5.2 ms on FlashInfer
-    # planned once per pass and 38-46 ms planned per layer (sparse_decode's one-shot
-    # call); captured in a CUDA graph the two kernels were level (0.7-0.9 ms). The
-    # decoder on CUDA is tested with both; serving on a GPU is not verified.
+    # each layer's call is eager, which favours Triton over FlashInfer planned per layer
+    # (docs/specontext.md, GPU). The decoder on CUDA is tested with both; serving on a
+    # GPU is not verified.
     core = build_core(cfg, attn_shape(runner), runner.device,
                       enable_metrics=runner.server_args.enable_metrics, head=head,
                       pool_layers=pool_layers, impl=CUDA_DECODE_IMPL if cuda else None)

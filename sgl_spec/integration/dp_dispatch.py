@@ -2,8 +2,8 @@
 
 sglang 0.5.23's DP controller sends requests to ranks round robin (or by load), blind to
 the prompt, so under ``--dp-size 2`` a conversation's turns alternate between ranks and
-half of its follow-ups find no cached history (0.527x one server's cached share,
-docs/results/2026-11-26-scaleout.md). Here the controller remembers, per rank, chained
+half of its follow-ups find no cached history (docs/cpu.md, Scale-out). Here the
+controller remembers, per rank, chained
 hashes of the ``BLOCK``-token blocks of the prompts it sent there (an LRU of at most
 ``MAX_BLOCKS`` per rank) and sends a request to the rank that was sent the longest prefix
 of its prompt, if that covers at least ``MIN_SHARE`` of its whole blocks; otherwise round

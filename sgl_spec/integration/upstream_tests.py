@@ -40,7 +40,7 @@ CORE_OF = {"spec-lru": "stock-rust", "tagged-lru": BASELINE, "tagged-turn": BASE
 
 # (test id, configuration) -> why sgl_spec differs from stock's Python core on purpose.
 # Empty: no test passing on stock's Python core and on the configuration's own stock
-# core fails on sgl_spec's (docs/results/2026-11-26-upstream-cache-tests.md).
+# core fails on sgl_spec's (docs/turn-cache.md, SGLang's own cache tests).
 DELIBERATE: dict[tuple[str, str], str] = {}
 
 

@@ -149,8 +149,8 @@ class QuantStore(RowStore):
                 dequantize(QuantRows(self.v[rows], self.v_scale[rows], self.v_bits), self.dtype))
 
     def get_into(self, rows, k_out, v_out, dst):
-        # One pass per row (C++ on a CPU pool): 3-4x faster than get + an indexed write
-        # for a 4k-token, 30-layer restore (docs/design/krul.md §16).
+        # One pass per row (C++ on a CPU pool) instead of get + an indexed write
+        # (docs/design/krul.md §16).
         if k_out.device.type != "cpu":
             return super().get_into(rows, k_out, v_out, dst)
         rows = rows.long()

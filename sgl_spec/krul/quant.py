@@ -65,7 +65,7 @@ def dequantize(r: QuantRows, dtype: torch.dtype) -> torch.Tensor:
     scale = r.scale.float()[..., None]
     if r.bits != 4:
         return (r.q.float() * scale).to(dtype)
-    # unpack4 in float, written in place (1.9x faster than unpack4 + convert, one CPU thread)
+    # unpack4 in float, written in place (one pass instead of unpack4, then convert)
     p = r.q
     q = torch.empty(*p.shape[:-1], 2 * p.shape[-1], dtype=torch.float32)
     q[..., 0::2] = p & 15

@@ -35,7 +35,7 @@ def score_history(
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
     g = hq // hkv
     # The logits' matmul runs in the keys' dtype when that is 16-bit (fp32
-    # accumulation): on CPUs with AVX512-BF16 a bf16 bmm is ~4x faster than
+    # accumulation): on CPUs with AVX512-BF16 a bf16 bmm is faster than
     # converting the history to fp32 first, and rounding a logit to 8 mantissa
     # bits moves a softmax weight by < 0.5% of itself, far below what top-B
     # ranking resolves. The softmax and the sums are fp32.
