@@ -32,6 +32,8 @@ SPARSE_KV_CACHE = ("auto", "keep", "drop")
 CACHE_EVICTIONS = ("lru", "turn")
 # How sglang's DP controller picks a rank (--dp-size > 1): by cached prefix, or sglang's.
 DP_DISPATCH = ("cache_aware", "sglang")
+# --spec-decode-profile's values other than a file: measure once and cache, or none.
+PROFILE_CHOICES = ("auto", "off")
 # Prefill attention: "exact" (dense) or LoopServe's online vertical/slash lines.
 PREFILL_MODES = ("exact", "loopserve")
 
@@ -57,8 +59,8 @@ FLAGS: tuple[Flag, ...] = (
          "last --spec-nd decoded queries (LoopServe Sec 5.3); 'specontext' selects them "
          "before every step with a retrieval head, one selection for all layers, and "
          "loads only what changed (SpeContext). Sparse modes run on CPU; on CUDA hosts "
-         "decode stays exact, except specontext (its decoder ran on an H200 in tests; "
-         "serving on a GPU is not verified).", MODES),
+         "decode stays exact, except specontext (serving on a GPU is not verified).",
+         MODES),
     Flag("--spec-budget", "decode", "budget", "int",
          "Sparse modes: history positions selected per KV head and layer (B).", lo=1),
     Flag("--spec-sink", "decode", "sink", "int",
@@ -72,16 +74,18 @@ FLAGS: tuple[Flag, ...] = (
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
     Flag("--spec-decode-profile", "decode", "profile_path", "path",
-         "Sparse modes: this host's decode profile, written by 'python -m sgl_spec.calibrate "
-         "decode' with the same --spec-* decode flags. Histories shorter than the length "
-         "from which its sparse steps were faster than exact ones decode exactly (it "
-         "raises --spec-min-context to it), and every history does where the sparse mode "
-         "was faster at no measured length. Empty: --spec-min-context alone."),
+         "Sparse modes: where a sparse decode step is faster than an exact one on this "
+         "host. 'auto': the profile of this host, model, dtype and --spec-* decode flags "
+         "('python -m sgl_spec.calibrate decode'), measured once at the first start (a "
+         "progress bar; a few minutes) and kept in the cache dir; 'off': --spec-min-context "
+         "alone; or a profile file. Histories shorter than the profile's crossover decode "
+         "exactly, and every history does where the sparse mode was faster at no measured "
+         "length (the server then decodes as --spec-mode exact). GET /sgl_spec/cache "
+         "('decode') says which rows decode sparse and why."),
     Flag("--spec-dense-layers", "decode", "dense_layers", "int",
          "Sparse modes: the first N layers attend the whole history, the others their "
-         "selection. Layer 0's attention is the most spread out (at B=1024 a top-B set "
-         "covers 0.61-0.73 of its mass, other layers 0.9-0.99), and it is one layer of "
-         "the model's.", lo=0),
+         "selection (layer 0's attention is the most spread out: docs/sparse-decode.md).",
+         lo=0),
     Flag("--spec-draft-path", "decode", "draft_path", "path",
          "specontext: the retrieval head, an EAGLE-3 draft checkpoint directory "
          "(LlamaForCausalLMEagle3, as for --speculative-draft-model-path) or one written "
@@ -91,8 +95,8 @@ FLAGS: tuple[Flag, ...] = (
          "specontext: how each step's changed KV rows reach the staging buffers. 'inline' "
          "copies a layer's rows right before its attention; 'thread' copies every layer's "
          "from a worker thread while earlier layers compute; 'stream' on a CUDA side "
-         "stream; 'auto' is stream on CUDA, inline on CPU (on 2 cores 'thread' decoded "
-         "at 0.75x of inline's speed).",
+         "stream; 'auto' is stream on CUDA, inline on CPU (a worker thread competes "
+         "with the layers for the same cores).",
          PREFETCH),
     Flag("--spec-sparse-kv-cache", "decode", "sparse_kv_cache", "choice",
          "Sparse modes: what the radix cache keeps of a request's KV from its first "
@@ -101,9 +105,8 @@ FLAGS: tuple[Flag, ...] = (
          "follow-up turn reuses it; 'drop' caches only what dense passes wrote, and a "
          "follow-up turn recomputes the previous answer densely, so every cached prefix "
          "is exact mode's (costs a prefill of the answer's tokens). 'auto' is drop for "
-         "specontext, whose answers over a long history are sparse from the first step "
-         "(drop kept it within 3 EM points of exact where keep fell short), and keep for "
-         "the other modes.", SPARSE_KV_CACHE),
+         "specontext, whose answers over a long history are sparse from the first step, "
+         "and keep for the other modes (docs/sparse-decode.md).", SPARSE_KV_CACHE),
     Flag("--spec-cache-eviction", "cache", "eviction", "choice",
          "Radix-cache eviction order. 'lru' is stock sglang's (identical evictions, "
          "sglang's compiled tree core); 'turn' evicts dead reasoning branches "
@@ -166,8 +169,8 @@ FLAGS: tuple[Flag, ...] = (
          "(relative L2 error, K or V, over the node's tokens) is kept exact instead."),
     Flag("--spec-krul-codec", "krul", "codec", "choice",
          "Krul: how the host tier stores each token's K and V at a layer, per token and "
-         "head with a bf16 scale. 'k8v4': K in int8, V in 4 bits (0.39x of bf16 at "
-         "head_dim 64); 'int8': both in int8 (0.516x, ~1%% error); 'full': the pool's "
+         "head with a bf16 scale. 'k8v4': K in int8, V in 4 bits; 'int8': both in int8; "
+         "'full': the pool's "
          "dtype, as stock's host pool. Merged pairs store their shared direction the same "
          "way.", ("k8v4", "int8", "full")),
     Flag("--spec-krul-stats", "krul", "stats_path", "path",
@@ -244,8 +247,11 @@ class DecodeConfig:
     draft_path: str = ""
     prefetch: str = "auto"
     dense_layers: int = 0
-    profile_path: str = ""
+    profile_path: str = "auto"
     sparse_kv_cache: str = "auto"
+    # Why this server decodes as it does (the launcher's --spec-decode-profile decision;
+    # GET /sgl_spec/cache shows it). Not a flag.
+    decision: str = ""
 
     def __post_init__(self):
         _check("decode", self)
@@ -259,7 +265,7 @@ class DecodeConfig:
                     raise ValueError(f"{flag} is read only with --spec-mode specontext "
                                      f"(got --spec-mode {self.mode}); valid: drop it, or "
                                      "--spec-mode specontext")
-        if self.mode == "exact" and self.profile_path:
+        if self.mode == "exact" and self.profile_path not in PROFILE_CHOICES:
             raise ValueError("--spec-decode-profile is read only with a sparse --spec-mode "
                              "(got exact); valid: drop it, or --spec-mode "
                              f"{' / '.join(m for m in MODES if m != 'exact')}")
@@ -304,10 +310,8 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Prefill attention. The alpha default is the measured one that keeps accuracy
-    (0.97: +0.0 / +16.7 / +11.1 exact-match points against exact at the harness'
-    begin / middle / end positions; docs/sparse-prefill.md). The density thresholds:
-    above 0.3 / 0.2 the diffuse layers lost accuracy in the harness."""
+    """Prefill attention. The alpha default and the density thresholds are the ones
+    that kept the harness' accuracy against exact (docs/sparse-prefill.md)."""
 
     mode: str = "exact"
     alpha: float = 0.97
@@ -322,16 +326,14 @@ class PrefillConfig:
 
 @dataclass(frozen=True)
 class KrulConfig:
-    """Krul (issue 17): compressed cross-layer KV for demoted conversations. gamma is
-    not given by the paper: 0.8 is provisional (on the default model's statistics,
-    ``python -m sgl_spec.calibrate strategy``, it leaves layers 0-10, with shares
-    0.41-0.75, unshared: the early layers the paper finds input-sensitive) until issue
-    17 measures it against accuracy. ratio 0.5 is the paper's (Sec 8.5); retain 0.05
-    bounds what MiniCache's retained tokens cost. max_error 0.2 is the exact fallback:
-    on the default model every pair's K and V are nearly orthogonal (cosine ~0) and a
-    merge errs by 0.65-0.88, which changed a greedy answer after its first token, so
-    no pair merges there (docs/design/krul.md, "Step 2"). The codec is what compresses
-    instead: k8v4 (0.39x of bf16 rows; int8 alone is 0.516x, over the issue's 0.5x; §13)."""
+    """Krul: compressed cross-layer KV for demoted conversations. gamma is not given by
+    the paper: 0.8 is provisional (it leaves the early, input-sensitive layers unshared
+    on the default model's statistics, ``python -m sgl_spec.calibrate strategy``).
+    ratio 0.5 is the paper's (Sec 8.5); retain 0.05 bounds what MiniCache's retained
+    tokens cost. max_error is the exact fallback: a pair whose merge errs by more stays
+    exact, which on the default models is every pair (docs/design/krul.md, "Step 2").
+    The codec is what compresses instead (k8v4: K int8 and V 4-bit per token and head,
+    each with a bf16 scale; docs/design/krul.md §13)."""
 
     enable: bool = False
     gamma: float = 0.8

@@ -8,7 +8,8 @@ environment. Defaults that differ from stock sglang (only where not given):
 * ``--attention-backend sgl_spec`` and ``--radix-cache-backend sgl_spec``
   (with ``--spec-disable``: stock components, torch_native attention on CPU);
 * on CPU hosts: ``--device cpu`` and ``--max-total-tokens 32768`` (stock sglang
-  sizes a 15 GB KV pool on these machines); with more ranks (dp x tp x pp) than NUMA
+  sizes a 15 GB KV pool on these machines); ``--dtype float32`` where the CPU has no
+  native bfloat16 (``sgl_spec.cpu``); with more ranks (dp x tp x pp) than NUMA
   nodes, ``SGLANG_CPU_OMP_THREADS_BIND`` splitting the cores between them (stock
   sglang asserts otherwise; see ``sgl_spec.integration.cpu.threads``);
 * ``--spec-krul``: the model's attention statistics, measured once into the cache dir
@@ -27,6 +28,7 @@ import sys
 
 from sgl_spec import BACKEND_NAME as NAME
 from sgl_spec import config as spec_config
+from sgl_spec import cpu as host_cpu
 from sgl_spec import envs
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ def split_argv(argv: list[str]) -> tuple[spec_config.SpecConfig, list[str]]:
             load(cfg.krul.stats_path)
         except ValueError as exc:
             parser.error(f"--spec-krul-stats: {exc}")
-    if cfg.decode.profile_path:
+    if cfg.decode.profile_path not in spec_config.PROFILE_CHOICES:
         from sgl_spec.attention.step_cost import read_profile
 
         try:
@@ -211,42 +213,64 @@ def _model_config(argv: list[str]) -> dict | None:
 
 def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool = True
                         ) -> spec_config.SpecConfig:
-    """``cfg`` with ``min_context`` raised to where ``--spec-decode-profile`` found the
-    sparse mode faster than exact on this host; ValueError where the profile measured
-    other decode flags, another model or KV dtype, or another device (a CPU profile on a
-    CUDA host, a GPU's on a CPU one)."""
-    if cfg.disable or not cfg.decode.profile_path:
+    """``cfg`` with ``min_context`` raised to where the decode profile found the sparse
+    mode faster than exact on this host, or exact mode where it was faster nowhere, and
+    the decision written into ``decode.decision``. ``--spec-decode-profile auto`` measures
+    the profile once (``step_cost.prepare_profile``, cached); ``off`` keeps
+    ``--spec-min-context``. ValueError where a given profile measured other decode flags,
+    another model or KV dtype, or another device (a CPU profile on a CUDA host, a GPU's on
+    a CPU one)."""
+    d = cfg.decode
+    if cfg.disable or d.mode == "exact":
         return cfg
     import dataclasses
 
     from sgl_spec.attention import step_cost
 
-    prof = step_cost.read_profile(cfg.decode.profile_path)
-    measured, here = prof.get("device", "cpu"), "cpu" if cpu else "cuda"
-    if measured != here:
-        raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r} was measured on "
-                         f"{measured}; this host serves on {here}; valid: a profile from "
-                         f"python -m sgl_spec.calibrate decode --device {here} on this host")
+    here = "cpu" if cpu else "cuda"
+    decide = lambda dc, text: dataclasses.replace(  # noqa: E731
+        cfg, decode=dataclasses.replace(dc, decision=text))
+    if d.profile_path == "off":
+        return decide(d, f"--spec-decode-profile off: histories from --spec-min-context "
+                         f"{d.min_context} decode {d.mode}")
     config = _model_config(argv)
+    kv = step_cost.kv_dtype(_value(argv, "--dtype"), _value(argv, "--kv-cache-dtype"), config)
+    path = d.profile_path
+    if path == "auto":
+        try:  # a mode that runs no sparse step on this device: nothing to measure
+            step_cost.check(d, step_cost.measurable(d) or step_cost.HISTORIES, here)
+        except ValueError as exc:
+            return decide(d, f"--spec-decode-profile auto: not measured ({exc})")
+        model = _value(argv, "--model-path", "--model")
+        path = step_cost.profile_path(model, d, kv, here)
+        if not os.path.exists(path):
+            logger.info("--spec-decode-profile auto: measuring where %s B=%d decodes faster "
+                        "than exact on this host (once; kept in %s)", d.mode, d.budget, path)
+        path = step_cost.prepare_profile(model, d, kv, here)
+    prof = step_cost.read_profile(path)
+    measured = prof.get("device", "cpu")
+    if measured != here:
+        raise ValueError(f"--spec-decode-profile {path!r} was measured on {measured}; this "
+                         f"host serves on {here}; valid: a profile from python -m "
+                         f"sgl_spec.calibrate decode --device {here} on this host, or auto")
     try:
         shape = step_cost.shape_of(config) if config is not None else None
     except KeyError:  # not a config this check reads
         shape = None
-    kv = step_cost.kv_dtype(_value(argv, "--dtype"), _value(argv, "--kv-cache-dtype"), config)
     try:
-        n = step_cost.min_context(prof, cfg.decode, shape, kv)
+        n = step_cost.min_context(prof, d, shape, kv)
     except ValueError as exc:
-        raise ValueError(f"--spec-decode-profile {cfg.decode.profile_path!r}: {exc}") from None
-    d = cfg.decode
+        raise ValueError(f"--spec-decode-profile {path!r}: {exc}") from None
     if n == step_cost.NEVER:  # exact mode, not a policy that never selects (nor a head)
-        logger.warning("--spec-decode-profile: on this host %s B=%d was faster than exact at "
-                       "no measured history (up to %d tokens): serving --spec-mode exact",
-                       d.mode, d.budget, max(prof["histories"]))
-        return dataclasses.replace(cfg, decode=spec_config.DecodeConfig())
-    logger.info("--spec-decode-profile: %s B=%d is faster than exact from %s tokens on "
-                "this host; histories under %d decode exactly", d.mode, d.budget,
-                prof["crossover"], n)
-    return dataclasses.replace(cfg, decode=dataclasses.replace(d, min_context=n))
+        text = (f"{d.mode} B={d.budget} was faster than exact at no measured history (up to "
+                f"{max(prof['histories'])} tokens) on this host (profile {path}): serving "
+                "--spec-mode exact")
+        logger.warning("--spec-decode-profile: %s", text)
+        return decide(spec_config.DecodeConfig(), text)
+    text = (f"{d.mode} B={d.budget} is faster than exact from {prof['crossover']} tokens on "
+            f"this host (profile {path}): histories under {n} decode exactly")
+    logger.info("--spec-decode-profile: %s", text)
+    return decide(dataclasses.replace(d, min_context=n, profile_path=path), text)
 
 
 def with_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
@@ -274,6 +298,10 @@ def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list
         out += ["--device", "cpu"]
     if cpu and not _given(out, "--max-total-tokens"):
         out += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+    if cpu and not _given(out, "--dtype") and host_cpu.default_dtype() is not None:
+        logger.info("serving --dtype %s: this CPU has no native bfloat16 (AVX512-BF16 or "
+                    "AMX); pass --dtype to choose", host_cpu.default_dtype())
+        out += ["--dtype", host_cpu.default_dtype()]
     if not cpu and cfg.decode.retrieval_head and not _given(out, "--disable-cuda-graph"):
         out.append("--disable-cuda-graph")
     if not _given(out, "--attention-backend"):

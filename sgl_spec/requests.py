@@ -1,8 +1,10 @@
 """Per-request state that the radix cache and the attention path of one scheduler
-process share, keyed by rid (``HUB``).
+share, keyed by rid: a ``RequestHub``.
 
 Both live in the scheduler process (sglang runs the model in it) but are built by
-different sglang factories, so they meet here:
+different sglang factories. The attention path builds the hub with its core
+(``sgl_spec.attention.build_core``); the cache, built after it, is handed the core's hub
+(``sgl_spec.integration.radix.create_cache``). They meet here:
 
 * releases: the cache calls ``release(rid)`` when the scheduler gives a request's KV
   row back (finished, aborted, retracted); the attention path's listeners free what
@@ -13,9 +15,8 @@ different sglang factories, so they meet here:
   request (the next turn, the next chunk) matches or continues that path, the cache
   ``set_seeds`` with the deepest lines on it, and the prefill reads ``seeds``.
 
-* Krul's per-conversation statistics: the attention path's estimator registers itself
-  (``observer``, an ``sgl_spec.attention.observe.KrulObserver``); the cache seeds it with
-  the sums on a matched path and keeps its accumulator on the checkpoint's node;
+* decode rows: the decoder reports how each live request decodes (``rows``), for
+  ``GET /sgl_spec/cache``;
 
 * live counts: every per-request structure of the process registers a counter
   (``add_live_source``); ``live()`` reads them all, for ``GET /sgl_spec/cache`` and the
@@ -56,10 +57,7 @@ class RequestHub:
         self._seeds: OrderedDict[str, tuple[Lines, int]] = OrderedDict()  # (lines, set in pass)
         self._pass = 0
         self._live: dict[str, Callable[[], int]] = {}
-        self.observer = None  # Krul's estimator, where the attention path runs one
-        # rid -> the first position whose KV a sparse decode step wrote, or None: set by
-        # the attention path under --spec-sparse-kv-cache drop, read by the radix cache
-        self.sparse_kv_from: Callable[[str], int | None] | None = None
+        self._rows: Callable[[], dict[str, dict]] | None = None
 
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:
@@ -73,6 +71,13 @@ class RequestHub:
         """``count()``: how many requests the structure ``name`` holds state for now
         (a later source of the same name replaces it)."""
         self._live[name] = count
+
+    def add_rows_source(self, rows: Callable[[], dict[str, dict]]) -> None:
+        """``rows()``: per live request, how its decode steps attend (the decoder's)."""
+        self._rows = rows
+
+    def rows(self) -> dict[str, dict]:
+        return self._rows() if self._rows is not None else {}
 
     def live(self) -> dict[str, int]:
         """Per structure, the requests it holds state for (all 0 once every request has
@@ -135,5 +140,3 @@ def _put(kept: OrderedDict, rid: str, value) -> None:
     if len(kept) > MAX_KEPT:
         kept.popitem(last=False)
 
-
-HUB = RequestHub()

@@ -30,10 +30,14 @@ def test_builtin_baseline_has_the_two_rows():
     stock, exact = sets.configs
     assert stock.module == "sglang.launch_server"
     assert exact.module == "sgl_spec.launch_server"
+    from sgl_spec import cpu
+
+    # stock in the dtype sgl_spec's launcher picks for this CPU (like for like)
+    dtype = ["--dtype", cpu.default_dtype()] if cpu.default_dtype() else []
     assert stock.server_args("/m") == ["--model-path", "/m", "--max-total-tokens", "32768",
                                        "--enable-cache-report", "--enable-metrics",
                                        "--device", "cpu", "--attention-backend",
-                                       "torch_native"]
+                                       "torch_native", *dtype]
     assert exact.server_args("/m")[-2:] == ["--spec-mode", "exact"]
     assert exact.slug == "sgl_spec-exact"
     assert sets.baseline.name == "stock"

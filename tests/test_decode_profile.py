@@ -65,10 +65,46 @@ def test_a_mode_that_never_paid_serves_exact(tmp_path):
     cfg, _ = split_argv(["--spec-mode", "loopserve", "--spec-decode-profile",
                          _profile(tmp_path, cross=None)])
     got = with_decode_profile(cfg, ["--model-path", _model(tmp_path)])
-    assert got.decode == DecodeConfig()              # exact: no policy, no head
+    # exact: no policy, no head; the decision says why (GET /sgl_spec/cache)
+    assert got.decode == DecodeConfig(decision=got.decode.decision)
+    assert "faster than exact at no measured history" in got.decode.decision
     assert got.cache == cfg.cache and got.krul == cfg.krul
     assert step_cost.min_context(step_cost.read_profile(_profile(tmp_path, cross=None)),
                                  cfg.decode) == NEVER
+
+
+def test_auto_measures_once_per_host_model_dtype_and_flags_then_reuses(tmp_path, monkeypatch):
+    """--spec-decode-profile auto (the default): the first start measures the profile
+    into the cache dir, a second start reads it back; other flags or another KV dtype
+    measure their own. The decision (GET /sgl_spec/cache) names it."""
+    monkeypatch.setenv("SGLSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    measured = []
+
+    def fake_profile(model, cfg, histories, dtype, device):
+        measured.append((cfg.budget, dtype))
+        return json.loads(open(_profile(tmp_path, cross=None, budget=cfg.budget)).read()) | {
+            "kv_dtype": dtype, "histories": list(histories)}
+
+    monkeypatch.setattr(step_cost, "profile", fake_profile)
+    argv = ["--model-path", _model(tmp_path), "--dtype", "float32"]
+    cfg, _ = split_argv(["--spec-mode", "loopserve"])
+    assert cfg.decode.profile_path == "auto"
+    for _ in range(2):
+        got = with_decode_profile(cfg, argv).decode
+        assert got.mode == "exact" and "at no measured history" in got.decision
+    assert measured == [(1024, "float32")]  # once
+    other, _ = split_argv(["--spec-mode", "loopserve", "--spec-budget", "512"])
+    with_decode_profile(other, argv)
+    with_decode_profile(cfg, argv[:2])  # the model's own bfloat16
+    assert measured == [(1024, "float32"), (512, "float32"), (1024, "bfloat16")]
+    d = DecodeConfig(mode="loopserve")
+    assert step_cost.profile_path(argv[1], d, "float32") != step_cost.profile_path(
+        argv[1], dataclasses.replace(d, nd=8), "float32")
+    off, _ = split_argv(["--spec-mode", "loopserve", "--spec-decode-profile", "off"])
+    got = with_decode_profile(off, argv).decode
+    assert (got.mode, got.min_context) == ("loopserve", 2048)
+    assert got.decision.startswith("--spec-decode-profile off")
+    assert len(measured) == 3
 
 
 def test_a_profile_of_other_flags_or_another_model_is_refused(tmp_path):
@@ -168,7 +204,7 @@ def test_the_measured_steps_are_the_served_path(model_path):
 def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_path):
     """The command end to end for SpeContext (its retrieval head planned every step): a
     profile file that the launcher accepts for the same flags."""
-    from test_specontext_server import _head
+    from conftest import _head
 
     head = _head(model_path)
     out = tmp_path / "decode.json"
@@ -199,3 +235,26 @@ def test_calibrate_decode_cli_writes_the_profile_a_server_reads(model_path, tmp_
     bad = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "decode"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--spec-mode exact has nothing to calibrate" in bad.stderr
+
+
+def test_decode_rows_say_which_requests_attend_a_subset_and_why():
+    """GET /sgl_spec/cache's decode.rows: per live request, its path and the reason."""
+    from _sparse import SHAPE
+
+    from sgl_spec.attention.decode import Decoder
+    from sgl_spec.sparse import get_policy
+
+    cfg = DecodeConfig(mode="loopserve", budget=8, sink=2, window=4, nd=4,
+                       first_select_step=4, min_context=32)
+    dec = Decoder(SHAPE, get_policy("loopserve", cfg, SHAPE))
+    for rid, n in (("short", 20), ("young", 40), ("old", 40)):
+        dec._step(rid, n)
+    for k in range(5):
+        dec._step("old", 41 + k)
+    rows = dec.rows()
+    assert rows["short"] == {"history": 20, "step": 0, "path": "exact",
+                             "why": "exact: history 20 < min_context 32"}
+    assert rows["young"]["why"] == "exact until LoopServe's first selection (step 4)"
+    assert rows["old"]["path"] == "sparse" and rows["old"]["history"] == 45
+    dec.release("old")
+    assert "old" not in dec.rows() and Decoder(SHAPE).rows() == {}

@@ -94,17 +94,23 @@ def test_prefill_flags_fill_the_config_independently_of_the_decode_mode():
     assert SpecConfig.from_json(cfg.to_json()) == cfg
 
 
-def test_cpu_defaults_are_added_only_when_not_given():
+@pytest.mark.parametrize("bf16", [True, False], ids=["native-bf16", "no-native-bf16"])
+def test_cpu_defaults_are_added_only_when_not_given(bf16, monkeypatch):
+    from sgl_spec import cpu
+
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"avx2", *(["avx512_bf16"] * bf16)}))
     cfg = SpecConfig()
     out = sglang_argv(cfg, ["--model-path", "/m"], cpu=True)
     assert out == [
         "--model-path", "/m", "--device", "cpu",
         "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS),
+        *([] if bf16 else ["--dtype", "float32"]),
         "--attention-backend", "sgl_spec", "--radix-cache-backend", "sgl_spec",
     ]
-    given = ["--model=/m", "--device", "cpu", "--max-total-tokens=100",
+    given = ["--model=/m", "--device", "cpu", "--max-total-tokens=100", "--dtype", "bfloat16",
              "--attention-backend", "triton", "--disable-radix-cache"]
     assert sglang_argv(cfg, given, cpu=True) == given
+    assert "--dtype" not in sglang_argv(cfg, ["--model-path", "/m"], cpu=False)
 
 
 def test_spec_disable_serves_stock_components():

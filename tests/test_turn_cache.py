@@ -318,23 +318,20 @@ def test_the_tagged_core_says_it_ignores_sglangs_tree_core_env(monkeypatch, capl
     assert "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python is ignored" in caplog.text
 
 
-def test_a_checkpoint_keeps_only_dense_kv_under_drop(monkeypatch):
+def test_a_checkpoint_keeps_only_dense_kv_under_drop():
     """--spec-sparse-kv-cache: with no mark source (keep, or exact mode) a finished
     request's checkpoint keeps all it is given; under drop it stops where the request's
     sparse steps began writing KV, never below what the tree already holds."""
     from types import SimpleNamespace
 
     from sgl_spec.integration.radix import SpecRadixCache
-    from sgl_spec.requests import HUB
 
     req = SimpleNamespace(rid="a", kv=SimpleNamespace(cache_protected_len=100))
     end = SpecRadixCache.dense_kv_end
-    monkeypatch.setattr(HUB, "sparse_kv_from", None)
-    assert end(req, 180) == 180                      # keep: the answer's KV too
+    assert end(req, 180, None) == 180                # keep: the answer's KV too
     marks = {"a": 140}                               # prompt 124 + LoopServe's 16 exact steps
-    monkeypatch.setattr(HUB, "sparse_kv_from", marks.get)
-    assert end(req, 180) == 140 and end(req, 130) == 130
+    assert end(req, 180, marks.get) == 140 and end(req, 130, marks.get) == 130
     marks["a"] = 90
-    assert end(req, 180) == 100                      # the tree's own prefix stays
+    assert end(req, 180, marks.get) == 100           # the tree's own prefix stays
     del marks["a"]
-    assert end(req, 180) == 180                      # a request that decoded exactly
+    assert end(req, 180, marks.get) == 180           # a request that decoded exactly

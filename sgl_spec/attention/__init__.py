@@ -7,7 +7,7 @@ import logging
 import torch
 
 from sgl_spec.config import SpecConfig
-from sgl_spec.requests import HUB
+from sgl_spec.requests import RequestHub
 from sgl_spec.sparse.policy import AttnShape
 
 from .core import AttentionCore
@@ -23,12 +23,14 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
                impl: str | None = None) -> AttentionCore:
     """The attention path of ``cfg``: exact or sparse decode, exact or sparse prefill.
 
-    A sparse decode policy's states are freed through ``sgl_spec.requests.HUB``'s
-    releases (the radix cache's); with another tree cache, by the stale-rid fallback.
+    The core's ``hub`` (a new ``RequestHub``) is what the radix cache shares with it: a
+    sparse decode policy's states are freed through its releases (the radix cache's;
+    with another tree cache, by the stale-rid fallback).
     ``head``: the retrieval head (``sgl_spec.head.runtime.HeadRuntime``) that
     ``specontext`` needs; ``pool_layers(layer) -> (K, V)``: the KV pool, for its
     prefetcher; ``impl``: the decode kernel (None: the fastest for the device).
     """
+    hub = RequestHub()
     policy, metrics = None, None
     if cfg.decode.mode != "exact":
         from sgl_spec.sparse import get_policy
@@ -50,31 +52,30 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
                       pool_layers=pool_layers,
                       track_sparse_kv=policy is not None and cfg.decode.drops_sparse_kv)
     if policy is not None:
-        HUB.add_release_listener(decoder.release)
-        HUB.add_live_source("decode_states", lambda: decoder.live_states)
-        HUB.add_live_source("policy_states", lambda: policy.live_states)
-        HUB.add_live_source("policy_slots", lambda: len(policy.slots))
-    # the radix cache caps checkpoints here (None: it keeps every output's KV, as stock)
-    HUB.sparse_kv_from = decoder.sparse_kv_from if decoder.tracks_sparse_kv else None
+        hub.add_release_listener(decoder.release)
+        hub.add_live_source("decode_states", lambda: decoder.live_states)
+        hub.add_live_source("policy_states", lambda: policy.live_states)
+        hub.add_live_source("policy_slots", lambda: len(policy.slots))
+        hub.add_rows_source(decoder.rows)
     prefill = None
     if cfg.prefill.mode != "exact":
-        prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics)
+        prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics, hub)
     observer = None
     if cfg.krul.enable and cfg.krul.strategy == "conversation":
         from .observe import KrulObserver
 
-        observer = HUB.observer = KrulObserver(shape.num_layers, device=device)
-        HUB.add_release_listener(observer.release)
-        HUB.add_live_source("krul_stats", lambda: observer.live_states)
+        observer = KrulObserver(shape.num_layers, device=device)
+        hub.add_release_listener(observer.release)
+        hub.add_live_source("krul_stats", lambda: observer.live_states)
     logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s", cfg.decode.mode,
                 cfg.decode, cfg.prefill.mode, shape,
                 ", Krul's estimator observes each conversation" if observer else "")
     return AttentionCore(decoder, prefill, head if cfg.decode.retrieval_head else None,
-                         observer)
+                         observer, hub)
 
 
 def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,
-                    enable_metrics: bool):
+                    enable_metrics: bool, hub: RequestHub):
     from .prefill import SparsePrefill
 
     metrics = None
@@ -90,4 +91,4 @@ def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,
         if cpu_kernel.load_kernel() is not None:
             kernel = "cpp"
     logger.info("sgl_spec sparse prefill: %s, CPU line kernel: %s", cfg.prefill, kernel)
-    return SparsePrefill(cfg.prefill, shape.num_layers, metrics=metrics)
+    return SparsePrefill(cfg.prefill, shape.num_layers, metrics=metrics, hub=hub)

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_spec.requests import RequestHub
+
 from .batch import BatchView
 from .decode import DecodePlan, Decoder, ScoreRow
 from .extend import Span, exact_extend, spans
@@ -41,15 +43,22 @@ class AttentionCore:
     """Not thread-safe: the scheduler thread that runs the forward pass owns it."""
 
     def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None, head=None,
-                 observer: KrulObserver | None = None):
+                 observer: KrulObserver | None = None, hub: RequestHub | None = None):
         self.decoder = decoder
         self.prefill = prefill
         self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
         self.observer = observer
+        # what the radix cache shares with this path (sgl_spec.requests)
+        self.hub = hub if hub is not None else (prefill.hub if prefill else RequestHub())
+
+    @property
+    def sparse_kv_from(self):
+        """rid -> the first position a sparse decode step wrote, for the radix cache to
+        cap checkpoints at (--spec-sparse-kv-cache drop); None: it keeps every output's KV."""
+        return self.decoder.sparse_kv_from if self.decoder.tracks_sparse_kv else None
 
     def plan(self, batch: BatchView) -> AttentionPlan:
-        if self.prefill is not None:
-            self.prefill.hub.tick()  # unread seeds expire (requests aborted in the queue)
+        self.hub.tick()  # unread seeds expire (requests aborted in the queue)
         if self.head is not None:
             self.head.begin_pass(batch)
         observe = self.observer.plan(batch) if self.observer is not None else None

@@ -82,7 +82,6 @@ class DecodeStats:
     sparse_steps: int = 0
     exact_steps: int = 0
     reselections: int = 0
-    selected_tokens: float = 0.0  # attended positions summed over sparse request-steps
     stale_drops: int = 0
 
 
@@ -187,6 +186,25 @@ class Decoder:
             self.policy.release(rid)
             if self.metrics is not None:
                 self.metrics.set_live_states(len(self._last_seen))
+
+    def rows(self) -> dict[str, dict]:
+        """Per request with a policy state: its history, whether its steps attend a
+        subset now, and why not (``GET /sgl_spec/cache``'s ``decode.rows``)."""
+        if self.policy is None:
+            return {}
+        cfg, out = self.policy.cfg, {}
+        for rid, st in self.policy.states.items():
+            n = st.seq_len
+            if n < cfg.min_context:
+                why = f"exact: history {n} < min_context {cfg.min_context}"
+            elif cfg.use_exact(n):
+                why = f"exact: budget + sink + window cover the history {n}"
+            elif st.step < cfg.first_select_step and cfg.mode == "loopserve":
+                why = f"exact until LoopServe's first selection (step {cfg.first_select_step})"
+            else:
+                why = "sparse"
+            out[rid] = {"history": n, "step": st.step, "path": why.split(":")[0], "why": why}
+        return out
 
     def start(self, rid: str, prompt_len: int) -> None:
         self.release(rid)
@@ -306,7 +324,6 @@ class Decoder:
     def _count(self, exact: int, selected: list[int]) -> None:
         self.stats.exact_steps += exact
         self.stats.sparse_steps += len(selected)
-        self.stats.selected_tokens += sum(selected)
         if self.metrics is not None:
             self.metrics.observe_step(exact, selected)
 

@@ -19,14 +19,14 @@ tie: issue 48.) Per forward pass:
                                                per sparse request and layer
 
 Reuse across turns (``reuse``): at the end of its extend (after its last layer) a
-request offers its per-layer lines to ``sgl_spec.requests.HUB``; the radix cache keeps
+request offers its per-layer lines to the request hub (``sgl_spec.requests``); the radix cache keeps
 them as a payload of the tree node ending at the extend's last token, and hands them
 back as seeds to a later extend whose cached prefix holds that node (the next turn of
 the chat, the next chunk of a chunked prefill).
 
-Stats: per layer the selected density (cells / causal cells) and the selection
-and attention time; recovered mass needs full attention and is not computed here
-(``sgl_spec.bench.prefill_mass`` measures it offline).
+Stats (what the tests read; the served figures are ``PrefillMetrics``): per layer the
+selected density (cells / causal cells), seeded and dense extends; recovered mass needs
+full attention and is not computed here (``sgl_spec.bench.prefill_mass`` measures it).
 
 Not thread-safe: the scheduler thread that runs the forward pass makes every call.
 Tensors passed in are read, never kept; the lines offered are the cache's.
@@ -44,7 +44,7 @@ import torch
 
 from sgl_spec.config import PrefillConfig
 from sgl_spec.kernels.vslash import LineSet, SelectConfig, density, select_lines, vslash_attention
-from sgl_spec.requests import HUB, Lines, RequestHub
+from sgl_spec.requests import Lines, RequestHub
 
 from .batch import BatchView
 from .extend import exact_extend
@@ -74,16 +74,8 @@ class LayerStats:
 
     extends: int = 0
     density: float = 0.0  # summed mean-over-heads density
-    select_s: float = 0.0
-    attend_s: float = 0.0
     seeded: int = 0  # extends whose selection had seeds
     dense: int = 0  # extends that made the dense call (too dense: selected, or skipped)
-
-    def as_dict(self) -> dict:
-        n = max(self.extends, 1)
-        return {"extends": self.extends, "density": self.density / n,
-                "select_ms": 1e3 * self.select_s / n, "attend_ms": 1e3 * self.attend_s / n,
-                "seeded": self.seeded, "dense": self.dense}
 
 
 @dataclass
@@ -91,10 +83,6 @@ class PrefillStats:
     sparse_extends: int = 0  # request-extends (one request in one pass), all layers
     exact_extends: int = 0
     layers: dict[int, LayerStats] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"sparse_extends": self.sparse_extends, "exact_extends": self.exact_extends,
-                "layers": {k: v.as_dict() for k, v in sorted(self.layers.items())}}
 
 
 class Turn:
@@ -117,7 +105,7 @@ class SparsePrefill:
         num_layers: int,
         *,
         metrics: Metrics | None = None,
-        hub: RequestHub = HUB,
+        hub: RequestHub | None = None,  # the core's (None: a hub of its own)
         select: SelectConfig | None = None,  # None: SelectConfig's defaults, cfg's alpha
     ):
         if num_layers < 1:
@@ -126,7 +114,7 @@ class SparsePrefill:
         self.select = select if select is not None else SelectConfig(alpha=cfg.alpha)
         self.num_layers = num_layers
         self.metrics = metrics
-        self.hub = hub
+        self.hub = hub if hub is not None else RequestHub()
         self.stats = PrefillStats()
         # layer -> consecutive extends whose selection came out denser than skip_density
         self._over: dict[int, int] = {}
@@ -199,11 +187,8 @@ class SparsePrefill:
             out[head:] = vslash_attention(sq, k, v, lines, hist, scale, impl="torch")
             if head:
                 out[:head] = exact_extend(q[:head], k[:hist], v[:hist], history_len, scale)
-        t2 = time.perf_counter()
         st.extends += 1
         st.density += dens
-        st.select_s += t1 - t0
-        st.attend_s += t2 - t1
         st.seeded += seeds is not None
         turn.density += dens
         turn.select_s += t1 - t0

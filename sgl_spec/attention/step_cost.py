@@ -3,9 +3,8 @@
 A sparse step attends ~B of the history's rows but pays a plan first (a policy's step;
 LoopServe's reselection every ``--spec-nd`` steps; SpeContext's head and its elastic
 loads). Below some history length that costs more than the dense attention it saves,
-and where that length lies depends on the host: on this 2-core CPU a LoopServe step at
-a 7k history decoded at 0.77x of exact, a SpeContext one at 1.23x; on an H200 a sparse
-step beat FlashInfer's dense decode only at 32k x batch 8.
+and where that length lies depends on the host, the mode and the kernels (measured
+profiles: docs/sparse-decode.md), so a server measures it (``prepare_profile``).
 
 ``device="cuda"`` times the path a SpeContext server runs on a GPU (the other modes
 delegate to sglang's backend there): the head, planning and elastic loads on the GPU,
@@ -276,7 +275,7 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
     with every history sparse and with none, at each history; ``steps`` timed (for
     LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
     rows interleaved over ``repeats`` rounds, over a KV pool of ``dtype`` (the served
-    model's: a CPU without AVX512-BF16 computes bfloat16 slower than float32), on
+    model's: ``sgl_spec.cpu`` on bfloat16 without native support), on
     ``device`` (the module docstring). ValueError on what cannot be measured (``check``)."""
     from tqdm import tqdm
 
@@ -386,6 +385,41 @@ def _load_head(cfg: DecodeConfig, device: str = "cpu"):
 
     head_cfg, weights, n_aux = eagle3.load(cfg.draft_path)
     return RetrievalHead(head_cfg, weights, n_aux, device)
+
+
+def profile_path(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu",
+                 cache_dir: str | None = None) -> str:
+    """Where the profile that ``--spec-decode-profile auto`` measures for this host,
+    model, KV dtype, device and decode flags (``MATCH``) is kept in the cache dir."""
+    import hashlib
+
+    from sgl_spec import cpu as host_cpu
+    from sgl_spec import envs
+
+    model_path = os.path.abspath(model_path)
+    key = json.dumps([_FORMAT, host_cpu.model_name(), os.cpu_count(), model_path, kv,
+                      torch.device(device).type, {k: getattr(cfg, k) for k in MATCH}],
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    name = f"{os.path.basename(model_path.rstrip('/'))}-{cfg.mode}-B{cfg.budget}-{digest}.json"
+    return os.path.join(cache_dir or envs.cache_dir(), "decode-profiles", name)
+
+
+def prepare_profile(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu",
+                    cache_dir: str | None = None) -> str:
+    """``profile_path``'s file, measured first where it is missing (``profile`` at the
+    measurable ``HISTORIES``, with a progress bar; written atomically)."""
+    path = profile_path(model_path, cfg, kv, device, cache_dir)
+    if os.path.exists(path):
+        return path
+    histories = measurable(cfg) or (max(HISTORIES),)
+    prof = profile(model_path, cfg, histories, dtype=kv, device=device)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(prof, f, indent=1)
+    os.replace(tmp, path)
+    return path
 
 
 def read_profile(path: str) -> dict:

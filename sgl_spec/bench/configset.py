@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from sgl_spec.bench import plan as run_plan
 from sgl_spec.bench.server import SPEC, STOCK
+from sgl_spec import cpu as host_cpu
 from sgl_spec.config import SpecConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -59,8 +60,11 @@ class Launcher(NamedTuple):
 
 
 LAUNCHERS: dict[str, Launcher] = {
-    # What CPU users of stock sglang run.
-    "stock": Launcher(STOCK, ("--device", "cpu", "--attention-backend", "torch_native")),
+    # What CPU users of stock sglang run, in the dtype sgl_spec's launcher picks for this
+    # CPU (sgl_spec.cpu), so that every ratio compares one dtype.
+    "stock": Launcher(STOCK, ("--device", "cpu", "--attention-backend", "torch_native",
+                              *(("--dtype", host_cpu.default_dtype())
+                                if host_cpu.default_dtype() else ()))),
     # sgl_spec's launcher adds its own CPU defaults.
     "sgl_spec": Launcher(SPEC, ()),
 }

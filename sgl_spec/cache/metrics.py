@@ -17,7 +17,8 @@ RULES = ("dead_reasoning", "inactive_conversation", "lru")
 
 
 class CacheMetrics:
-    def __init__(self, interval: float = 5.0, krul: bool = False):
+    def __init__(self, interval: float = 5.0, krul: bool = False,
+                 sparse_from: int | None = None):
         from prometheus_client import Counter, Gauge
 
         self.interval = interval
@@ -44,6 +45,22 @@ class CacheMetrics:
             labelnames=("structure",),
             multiprocess_mode="mostrecent",
         )
+        self.decode_rows = Gauge(
+            name="sgl_spec:decode_rows",
+            documentation="Live requests by how their decode steps attend: 'sparse' (a "
+            "subset) or 'exact' (short history, LoopServe's first steps); the reasons per "
+            "request are at GET /sgl_spec/cache (decode.rows).",
+            labelnames=("path",),
+            multiprocess_mode="mostrecent",
+        )
+        self.sparse_from = Gauge(
+            name="sgl_spec:decode_sparse_from_tokens",
+            documentation="Shortest history that decodes sparse (--spec-min-context, raised "
+            "to the decode profile's crossover); -1: every history decodes exactly (exact "
+            "mode, or a sparse mode the profile found faster nowhere).",
+            multiprocess_mode="mostrecent",
+        )
+        self.sparse_from.set(-1 if sparse_from is None else sparse_from)
 
         self.host_restore = Gauge(
             name="sgl_spec:host_restore",
@@ -77,7 +94,11 @@ class CacheMetrics:
         return True
 
     def update(self, totals: dict, freed_by_rule: dict[str, int],
-               live: dict[str, int] | None = None, restore: dict | None = None) -> None:
+               live: dict[str, int] | None = None, restore: dict | None = None,
+               rows: dict[str, dict] | None = None) -> None:
+        paths = [r["path"] for r in (rows or {}).values()]
+        for path in ("sparse", "exact"):
+            self.decode_rows.labels(path=path).set(paths.count(path))
         for figure, n in (restore or {}).items():
             self.host_restore.labels(figure=figure).set(n)
         for structure, n in (live or {}).items():

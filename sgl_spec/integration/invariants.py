@@ -9,7 +9,7 @@ wrong answer of an overwritten prefix), so this adds, at the same points:
   ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``): ``slot_violations`` over the
   allocator's free list, the tree's device slots and the running requests' rows;
 * when the scheduler goes idle (no request running or waiting): the same, and every
-  per-request structure of sgl_spec (``HUB.live()``) must be empty.
+  per-request structure of sgl_spec (the request hub's ``live()``) must be empty.
 
 A violation is logged as an error with what broke and counted in the radix cache's
 ``InvariantLog`` (sgl_spec's cache builds one under the flag); ``GET /sgl_spec/cache``
@@ -25,7 +25,6 @@ import torch
 
 from sgl_spec.cache.invariants import Owner, slot_violations
 from sgl_spec.config import current
-from sgl_spec.requests import HUB
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +85,14 @@ def check_slots(checker) -> list[str]:
                            checker.tree_cache.all_values_flatten(), owners(checker))
 
 
-def live_leftovers() -> list[str]:
+def live_leftovers(hub) -> list[str]:
     """sgl_spec's per-request structures that still hold a request (none should once
-    no request runs or waits)."""
-    HUB.idle()
+    no request runs or waits); ``hub``: the cache's request hub, None for another cache."""
+    if hub is None:
+        return []
+    hub.idle()
     return [f"{name} holds {n} request(s) with none running"
-            for name, n in HUB.live().items() if n]
+            for name, n in hub.live().items() if n]
 
 
 def _log(checker) -> InvariantLog:
@@ -123,7 +124,8 @@ def patch_checker(module) -> None:
         idle(self)
         log = _log(self)
         log.idle_checks += 1
-        log.record("idle", check_slots(self) + live_leftovers())
+        log.record("idle", check_slots(self)
+                   + live_leftovers(getattr(self.tree_cache, "hub", None)))
 
     self_check_during_busy._sgl_spec = _check_tree_cache._sgl_spec = True
     cls.self_check_during_busy = self_check_during_busy

@@ -257,8 +257,12 @@ class Compressor:
     thread (the tree's write-through acknowledgements and demotions, the cache's
     load-backs)."""
 
-    def __init__(self, cache, cfg: KrulConfig):
+    def __init__(self, cache, cfg: KrulConfig, runner=None, observer=None):
+        """``runner``: the model runner whose layers a restore's pre-pass runs, and
+        ``observer``: Krul's estimator, both from the attention path (``radix.CoreLinks``;
+        None where the attention backend is not sgl_spec's)."""
         self.cache, self.cfg = cache, cfg
+        self.observer = observer
         self.params = MergeParams(retain=cfg.retain, max_error=cfg.max_error)
         self._strategy: Strategy | None = None
         self.refused_loads = 0
@@ -267,7 +271,7 @@ class Compressor:
         self._share: float | None = None  # of each demoted history left for a recompute
         from .krul_restore import Recompute
 
-        self.recompute = Recompute()
+        self.recompute = Recompute(runner)
 
     def pool(self) -> KrulHostPool | None:
         ctl = getattr(self.cache, "cache_controller", None)
@@ -310,7 +314,7 @@ class Compressor:
             from . import krul_restore
             from sgl_spec.krul.restore_cost import host_share, read_profile
 
-            why = krul_restore.unsupported()
+            why = krul_restore.unsupported(self.recompute.runner)
             if not self.cfg.profile_path:
                 logger.info("sgl_spec krul: no --spec-krul-profile: restores load every "
                             "stored row (python -m sgl_spec.calibrate restore measures "
@@ -427,7 +431,7 @@ class Compressor:
         whole, as a load that is refused)."""
         from .krul_restore import unsupported
 
-        why = unsupported()
+        why = unsupported(self.recompute.runner)
         if why is not None:
             self.refused_loads += 1
             logger.warning("sgl_spec krul: a restore needs a recompute pre-pass that cannot "
@@ -463,10 +467,8 @@ class Compressor:
                 out["stored_bytes"] += meta.stored_bytes
                 out["full_bytes"] += meta.full_bytes
                 out[f"{meta.strategy}_strategy_nodes"] += 1
-        from sgl_spec.requests import HUB
-
-        if HUB.observer is not None:
-            out.update(HUB.observer.totals())
+        if self.observer is not None:
+            out.update(self.observer.totals())
         pool = self.pool()
         if pool is not None:
             out["host_available_tokens"] = pool.available_size()

@@ -12,9 +12,10 @@ kernels run on the compute stream while HiCache's loader copies the stored rows 
 own stream (the paper's overlap; unverified, no GPU run yet); on a CPU the two run one
 after the other, and the calibration there chooses share 0.
 
-``bind`` is called by the attention backend factory (the model runner is not the
-cache's to reach); without it, or for a model that is not Llama-shaped, or with
-pipeline parallelism, ``unsupported`` names the reason and the share is 0.
+The model runner comes from the cache's links to the attention path
+(``radix.CoreLinks.runner``: sgl_spec's backend's runner); without one, or for a model that
+is not Llama-shaped, or with pipeline parallelism, ``unsupported`` names the reason and
+the share is 0.
 """
 
 from __future__ import annotations
@@ -34,31 +35,21 @@ from sgl_spec.krul.pyramid import restore_lengths
 
 logger = logging.getLogger(__name__)
 
-_RUNNER = None
-
-
-def bind(runner) -> None:
-    """The model runner whose layers the pre-pass runs: the first the attention backend
-    is built for, the target (a draft model's runner comes later)."""
-    global _RUNNER
-    if _RUNNER is None:
-        _RUNNER = runner
-
-
-def unsupported() -> str | None:
-    """Why this process cannot recompute a restore's front, or None."""
-    if _RUNNER is None:
+def unsupported(runner) -> str | None:
+    """Why ``runner`` (the model runner whose layers the pre-pass runs, None where the
+    attention backend is not sgl_spec's) cannot recompute a restore's front, or None."""
+    if runner is None:
         return "the attention backend is not sgl_spec's (--attention-backend sgl_spec binds the model)"
     from sglang.srt.runtime_context import get_parallel
 
     if get_parallel().pp_group.world_size > 1:
         return "pipeline parallelism (a rank holds only some layers)"
-    layers = getattr(getattr(_RUNNER.model, "model", None), "layers", None)
+    layers = getattr(getattr(runner.model, "model", None), "layers", None)
     need = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
     if not layers or not all(hasattr(lyr, a) for lyr in layers for a in need) or not all(
             hasattr(lyr.self_attn, a) for lyr in layers
             for a in ("qkv_proj", "rotary_emb", "o_proj", "attn")):
-        return f"{type(_RUNNER.model).__name__} is not a Llama/Qwen2-shaped model"
+        return f"{type(runner.model).__name__} is not a Llama/Qwen2-shaped model"
     return None
 
 
@@ -152,7 +143,8 @@ class Recompute:
     """Runs restore plans after sglang's load-back allocated their device slots; counts
     them (``GET /sgl_spec/cache``)."""
 
-    def __init__(self):
+    def __init__(self, runner):
+        self.runner = runner  # the model runner whose layers run (unsupported: None)
         self.restores = 0
         self.token_layers = 0
         self.seconds = 0.0
@@ -169,7 +161,7 @@ class Recompute:
                 toks = list(nd.key.token_ids[:len(nd.key)])
                 ids.extend(toks[max(D - pos, 0):R[0] - pos])
             pos = end
-        runner = _RUNNER
+        runner = self.runner
         pool = runner.token_to_kv_pool
         dev = pool.get_key_buffer(0).device
         slots = slots.to(dev).long()

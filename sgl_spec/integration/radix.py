@@ -12,18 +12,23 @@ Subclasses of sglang's UnifiedRadixCache, built through sglang's own
   (``tree_core``), whose nodes carry turn tags and payloads (Krul's compressed-node
   records: ``krul``). LoopServe's lines kept per turn are a payload of the
   node where the turn's extend ends; matches and checkpoints hand the deepest ones on a
-  request's path to the attention path as seeds (``sgl_spec.requests.HUB``). Krul's
+  request's path to the attention path as seeds (the request hub). Krul's
   estimator works the same way: a checkpoint keeps the request's attention statistics on
   its last node (``krul_stats``), a match seeds the next turn with the deepest ones.
 
-Both tell ``HUB`` when the scheduler releases a request (finished, aborted,
-retracted), so per-request state kept outside the tree is freed.
+Both tell the request hub when the scheduler releases a request (finished, aborted,
+retracted), so per-request state kept outside the tree is freed. What the cache shares
+with the attention path (``CoreLinks``: the hub, the decoder's sparse-KV marks, Krul's
+estimator, the model runner) comes from the scheduler's attention backend, which sglang
+builds before the cache (``create_cache``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from typing import NamedTuple
 
 from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_unified_radix_cache
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -38,7 +43,7 @@ from sgl_spec.cache.restore_clock import RestoreClock
 from sgl_spec.cache.summary import summary, totals
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig, current
-from sgl_spec.requests import HUB, Lines
+from sgl_spec.requests import Lines, RequestHub
 
 from .invariants import InvariantLog
 from .tree_core import SpecTreeCore
@@ -61,14 +66,36 @@ if get_tree_core_factory(TREE_CORE) is None:
     register_tree_core_backend(TREE_CORE, _tree_core_factory)
 
 
+class CoreLinks(NamedTuple):
+    """What the cache shares with its scheduler's attention path (built before it)."""
+
+    hub: RequestHub
+    # rid -> the first position a sparse decode step wrote (--spec-sparse-kv-cache drop)
+    sparse_kv_from: Callable[[str], int | None] | None = None
+    observer: object | None = None  # Krul's estimator (attention.observe.KrulObserver)
+    runner: object | None = None  # the model runner, whose layers Krul's pre-pass runs
+
+    @classmethod
+    def of(cls, runner) -> CoreLinks:
+        """The links of ``runner``'s attention backend where it is sgl_spec's; a hub of
+        the cache's own otherwise (another backend: nothing to share)."""
+        core = getattr(getattr(runner, "attn_backend", None), "core", None)
+        if core is None:
+            return cls(RequestHub())
+        return cls(core.hub, core.sparse_kv_from, core.observer, runner)
+
+
 class SpecRadixCache(UnifiedRadixCache):
     """UnifiedRadixCache on sglang's default tree core, with turns derived on demand."""
 
     tree_core_name = "compiled"
 
-    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
+    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig,
+                 links: CoreLinks | None = None):
         self.turn_format = fmt
         self.spec_cfg = cfg
+        self.links = links if links is not None else CoreLinks(RequestHub())
+        self.hub = self.links.hub
         self._evicted_lru = 0  # tokens evicted (the compiled core has no per-rule count)
         super().__init__(params)
         # sglang falls back to its Python core where the compiled one cannot serve;
@@ -80,8 +107,10 @@ class SpecRadixCache(UnifiedRadixCache):
         self.restore_clock = RestoreClock()
         # --spec-check-invariants: what the scheduler's checks found (integration.invariants)
         self.invariant_log = InvariantLog() if cfg.check_invariants else None
-        self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable) if params.enable_metrics
-                             else None)
+        d = cfg.decode
+        self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable, sparse_from=None
+                                          if d.mode == "exact" else d.min_context)
+                             if params.enable_metrics else None)
 
     def insert(self, params):
         # On the compiled core's hot path: keep this to a reference append.
@@ -127,7 +156,7 @@ class SpecRadixCache(UnifiedRadixCache):
             self._slots.reset()
 
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
-        up_to = self.dense_kv_end(req, up_to)
+        up_to = self.dense_kv_end(req, up_to, self.links.sparse_kv_from)
         super().checkpoint(req, up_to=up_to, **kwargs)
         self._checkpointed(req, up_to)
 
@@ -135,19 +164,19 @@ class SpecRadixCache(UnifiedRadixCache):
         """After the tree took ``[0, up_to)`` of ``req``: payloads for that span."""
 
     @staticmethod
-    def dense_kv_end(req, up_to: int) -> int:
-        """``up_to``, or under ``--spec-sparse-kv-cache drop`` where the request's sparse
-        decode steps began writing KV: the tree keeps only dense passes' KV, and the
-        request frees the rest as its own (never below what the tree already holds)."""
-        sparse_from = HUB.sparse_kv_from
-        start = sparse_from(req.rid) if sparse_from is not None else None
+    def dense_kv_end(req, up_to: int, sparse_kv_from) -> int:
+        """``up_to``, or under ``--spec-sparse-kv-cache drop`` (``sparse_kv_from``: the
+        decoder's marks) where the request's sparse decode steps began writing KV: the
+        tree keeps only dense passes' KV, and the request frees the rest as its own (never
+        below what the tree already holds)."""
+        start = sparse_kv_from(req.rid) if sparse_kv_from is not None else None
         if start is None or start >= up_to:
             return up_to
         return max(start, req.kv.cache_protected_len)
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
-        HUB.release(req.rid)
+        self.hub.release(req.rid)
 
     def segments(self):
         if self._slots is not None:
@@ -159,7 +188,7 @@ class SpecRadixCache(UnifiedRadixCache):
 
     def _update_metrics(self) -> None:
         self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed(),
-                                 HUB.live(), self._restore())
+                                 self.hub.live(), self._restore(), self.hub.rows())
 
     def _restore(self) -> dict | None:
         return self.restore_clock.totals() if self.cache_controller is not None else None
@@ -170,13 +199,17 @@ class SpecRadixCache(UnifiedRadixCache):
         out = summary(segs, self.turn_format, tree_core=self.tree_core_name,
                       eviction=self.spec_cfg.cache.eviction, freed_by_rule=self._freed(),
                       dead=self._dead())
-        out["live_requests"] = HUB.live()
+        out["live_requests"] = self.hub.live()
+        d = self.spec_cfg.decode
+        out["decode"] = {"mode": d.mode, "min_context": d.min_context,
+                         "profile": d.profile_path, "decision": d.decision,
+                         "rows": self.hub.rows()}
         out["restore"] = self._restore()
         if self.invariant_log is not None:
             out["invariants"] = self.invariant_log.as_dict()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
             self.spec_metrics.update(out["totals"], self._freed(), out["live_requests"],
-                                     out["restore"])
+                                     out["restore"], out["decode"]["rows"])
         return out
 
     def _dead(self) -> dict[int, int] | None:
@@ -188,7 +221,8 @@ class TaggedRadixCache(SpecRadixCache):
 
     tree_core_name = "tagged"
 
-    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig):
+    def __init__(self, params, fmt: TurnFormat | None, cfg: SpecConfig,
+                 links: CoreLinks | None = None):
         asked = os.environ.get(BACKEND_ENV, "")
         if asked and asked != TREE_CORE:
             logger.warning("%s=%s is ignored: turn eviction, LoopServe's kept lines and Krul "
@@ -202,12 +236,13 @@ class TaggedRadixCache(SpecRadixCache):
             params.component_registry_override = {
                 **(params.component_registry_override or {}), **COMPONENTS}
         self.keep_lines = cfg.prefill.mode == "loopserve" and cfg.prefill.reuse
-        super().__init__(params, fmt, cfg)
+        super().__init__(params, fmt, cfg, links)
         self.krul = None
         if cfg.krul.enable:
             from .krul import KRUL, Compressor
 
-            self.krul = self.tree_core.krul = Compressor(self, cfg.krul)
+            self.krul = self.tree_core.krul = Compressor(self, cfg.krul, self.links.runner,
+                                                         self.links.observer)
             self.tree_core.whole_node_payloads[KRUL] = self.krul.on_split
 
     def insert(self, params):
@@ -228,8 +263,8 @@ class TaggedRadixCache(SpecRadixCache):
         result = super().match_prefix(params)
         if self.keep_lines and params.req is not None:
             hit = self.tree_core.deepest(result.last_device_node, LINES)
-            HUB.set_seeds(params.req.rid, None if hit is None else Lines(*hit))
-        obs = HUB.observer
+            self.hub.set_seeds(params.req.rid, None if hit is None else Lines(*hit))
+        obs = self.links.observer
         if self.krul is not None and obs is not None and params.req is not None:
             # Krul's estimator carries on the conversation's sums (its earlier turns').
             node = getattr(result, "best_match_node", None) or result.last_device_node
@@ -238,7 +273,7 @@ class TaggedRadixCache(SpecRadixCache):
         return result
 
     def _checkpointed(self, req, up_to: int) -> None:
-        obs = HUB.observer
+        obs = self.links.observer
         sim = obs.stats(req.rid) if self.krul is not None and obs is not None else None
         if sim is not None:
             # The conversation's statistics so far (the accumulator itself: folds still
@@ -248,10 +283,10 @@ class TaggedRadixCache(SpecRadixCache):
                 self.tree_core.attach(self._key(req, end), end, KRUL_STATS, sim)
         if not self.keep_lines:
             return
-        lines = HUB.take_lines(req.rid, up_to)
+        lines = self.hub.take_lines(req.rid, up_to)
         if lines is not None:
             if self.tree_core.attach(self._key(req, lines.end), lines.end, LINES, lines.layers):
-                HUB.set_seeds(req.rid, lines)  # the next chunk of this request continues it
+                self.hub.set_seeds(req.rid, lines)  # the next chunk of this request continues it
 
     @staticmethod
     def _key(req, end: int):
@@ -330,6 +365,7 @@ def create_cache(ctx: TreeCacheBuildContext):
     cfg = current()
     fmt = turn_format_for(ctx.server_args)
     cls = TaggedRadixCache if cfg.tagged_cache else SpecRadixCache
+    links = CoreLinks.of(getattr(ctx.tp_worker, "model_runner", None))
     logger.info("sgl_spec radix cache: %s tree core (eviction %s)", cls.tree_core_name,
                 cfg.cache.eviction)
-    return create_unified_radix_cache(ctx, cache_class=lambda p: cls(p, fmt, cfg))
+    return create_unified_radix_cache(ctx, cache_class=lambda p: cls(p, fmt, cfg, links))

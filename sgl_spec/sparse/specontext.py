@@ -34,8 +34,6 @@ from .slots import BufferSpec
 @dataclass
 class SpeContextStats:
     selections: int = 0  # request-steps selected by the head
-    head_s: float = 0.0  # wall time of select_pass (head query, scoring, top-B)
-    passes: int = 0  # passes with at least one sparse row
     rows_loaded: int = 0  # staged positions copied, summed over request-steps and KV heads
     full_loads: int = 0  # request-steps whose staging was empty (first sparse step)
     overlap_sum: float = 0.0  # sum of per-(request-step, KV head) overlaps
@@ -109,7 +107,6 @@ class SpeContextPolicy(SelectionPolicy):
             s.sparse_before = True
         self.slots.write("sel", 0, slots, sel)
         self.stats.selections += len(rows)
-        self.stats.head_s += head_s
         if self.metrics is not None:
             self.metrics.observe_head(head_s)
         return sel
@@ -123,7 +120,6 @@ class SpeContextPolicy(SelectionPolicy):
         ep = self.elastic.plan(self.slots.buffer("staged")[0], slots, sel,
                                batch.seq_lens_t.index_select(0, idx), batch.req_to_token,
                                batch.rows.index_select(0, idx), idx)
-        self.stats.passes += 1
         self.stats.rows_loaded += ep.loaded
         self.stats.full_loads += ep.first
         if self.metrics is not None:
