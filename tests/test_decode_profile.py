@@ -80,7 +80,7 @@ def test_auto_measures_once_per_host_model_dtype_and_flags_then_reuses(tmp_path,
     monkeypatch.setenv("SGLSPEC_CACHE_DIR", str(tmp_path / "cache"))
     measured = []
 
-    def fake_profile(model, cfg, histories, dtype, device):
+    def fake_profile(model, cfg, histories, steps, repeats, dtype, device):
         measured.append((cfg.budget, dtype))
         return json.loads(open(_profile(tmp_path, cross=None, budget=cfg.budget)).read()) | {
             "kv_dtype": dtype, "histories": list(histories)}

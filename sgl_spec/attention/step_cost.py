@@ -54,6 +54,9 @@ from .core import AttentionCore
 from .decode import CUDA_DECODE_IMPL, Decoder
 
 HISTORIES = (1536, 2048, 3072, 4096, 8192, 16384)  # less those the budget covers
+# What --spec-decode-profile auto measures at a server's first start: a coarser ladder,
+# fewer steps and rounds than calibrate decode's defaults, to keep the start short.
+AUTO = {"histories": (2048, 4096, 8192, 16384), "steps": 16, "repeats": 2}
 NEVER = sys.maxsize  # min_context of a mode that paid at no measured history
 _FORMAT = 1
 _LAST_CHUNK = 64  # prompt tokens run through the core before decoding (the rest fills)
@@ -407,13 +410,15 @@ def profile_path(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu
 
 def prepare_profile(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu",
                     cache_dir: str | None = None) -> str:
-    """``profile_path``'s file, measured first where it is missing (``profile`` at the
-    measurable ``HISTORIES``, with a progress bar; written atomically)."""
+    """``profile_path``'s file, measured first where it is missing (``profile`` with the
+    ``AUTO`` settings at the histories the budget does not cover, with a progress bar;
+    written atomically)."""
     path = profile_path(model_path, cfg, kv, device, cache_dir)
     if os.path.exists(path):
         return path
-    histories = measurable(cfg) or (max(HISTORIES),)
-    prof = profile(model_path, cfg, histories, dtype=kv, device=device)
+    histories = measurable(cfg, AUTO["histories"]) or (max(HISTORIES),)
+    prof = profile(model_path, cfg, histories, steps=AUTO["steps"], repeats=AUTO["repeats"],
+                   dtype=kv, device=device)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -110,10 +110,14 @@ def cut_streams(url: str, plan: list[tuple[list[dict], int]], gap_s: float,
     return out
 
 
-def aborted_streams(url: str, seed: int, streams: int, gap_s: float) -> list[dict]:
-    """Step 1: the issue's streams (``WORDS`` of prose, cut after 0-``MAX_CHUNKS``)."""
+def aborted_streams(url: str, seed: int, streams: int, gap_s: float,
+                    first_words: int | None = None) -> list[dict]:
+    """Step 1: the issue's streams (``WORDS`` of prose, cut after 0-``MAX_CHUNKS``);
+    ``first_words``: the first one's length instead of a draw."""
     rng, words = random.Random(seed), _words()
     sizes = [(rng.choice(WORDS), rng.randint(0, MAX_CHUNKS)) for _ in range(streams)]
+    if first_words is not None:
+        sizes[0] = (first_words, sizes[0][1])
     plan = [([user(prose(words, n, rng) + "\n\nSummarise.")], c) for n, c in sizes]
     out = cut_streams(url, plan, gap_s)
     for o, (n, _) in zip(out, sizes):
@@ -167,7 +171,8 @@ def compare(reference: list, answers: list) -> list[dict]:
     return out
 
 
-def run(flags: list[str], seeds: list[int], streams: int, gap_s: float, log_dir: str) -> dict:
+def run(flags: list[str], seeds: list[int], streams: int, gap_s: float, log_dir: str,
+        first_words: int | None = None) -> dict:
     with ServerProcess(SPEC, flags, log_path=f"{log_dir}/server-fresh.log") as server:
         reference = probe(server.url, PROBE_CHATS)
     seeds_out = []
@@ -175,7 +180,7 @@ def run(flags: list[str], seeds: list[int], streams: int, gap_s: float, log_dir:
         with ServerProcess(SPEC, flags, log_path=f"{log_dir}/server-seed{seed}.log",
                            timeout_s=600) as server:
             t0 = time.monotonic()
-            played = aborted_streams(server.url, seed, streams, gap_s)
+            played = aborted_streams(server.url, seed, streams, gap_s, first_words)
             statuses = malformed(server.url)
             answers = probe(server.url, PROBE_CHATS)
             seeds_out.append({"seed": seed, "streams": played, "malformed_statuses": statuses,
@@ -225,11 +230,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="seconds between the streams' starts (default 0.2)")
     ap.add_argument("--server-flags", default=" ".join(ISSUE_FLAGS),
                     help="sgl_spec.launch_server flags (default: the issue's)")
+    ap.add_argument("--first-words", type=int, metavar="N",
+                    help="the first stream's words instead of a draw (1500: a long first "
+                         "request, which prefills the chat template's system prompt "
+                         "sparsely under the default flags)")
     ap.add_argument("--no-check-invariants", action="store_true",
                     help="serve without --spec-check-invariants")
     args = ap.parse_args(argv)
-    if args.streams < 1:
-        ap.error(f"--streams {args.streams} must be >= 1")
+    if args.streams < 1 or (args.first_words is not None and args.first_words < 1):
+        ap.error(f"--streams {args.streams} and --first-words {args.first_words} must be >= 1")
     model = cli.model_path(ap, args.model_path)
     flags = ["--model-path", model, *args.server_flags.split()]
     if "--api-key" not in flags:
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         flags.append("--spec-check-invariants")
     meta, watch = cli.start_meta(model, seeds=args.seeds)
     os.makedirs(args.out, exist_ok=True)
-    res = run(flags, args.seeds, args.streams, args.gap_s, args.out)
+    res = run(flags, args.seeds, args.streams, args.gap_s, args.out, args.first_words)
     res["meta"] = cli.finish_meta(meta, watch)
     md = markdown(res)
     cli.write_results(args.out, res, md)
