@@ -31,7 +31,7 @@ from sgl_spec import config as spec_config
 from sgl_spec import cpu as host_cpu
 from sgl_spec import envs
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("sgl_spec.launch_server")  # __main__ under python -m
 
 PROG = "python -m sgl_spec.launch_server"
 CPU_MAX_TOTAL_TOKENS = 32768
@@ -318,8 +318,23 @@ def sglang_argv(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> list
     return out
 
 
+def _start_up_logging(argv: list[str]) -> None:
+    """sgl_spec's start-up decisions (dtype, decode profile, head, statistics) printed at
+    sglang's ``--log-level``, in sglang's format: they come before sglang configures
+    its logging."""
+    level = (_value(argv, "--log-level") or "info").upper()
+    log = logging.getLogger("sgl_spec")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False  # sglang's root handler, once configured, would print it twice
+    log.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _start_up_logging(argv)
     from sgl_spec.boot import cuda_host
     from sgl_spec.integration import plugin, server
 

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from _aborts import wait_until_freed
-from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, Early, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, SPARSE_ALWAYS, SPEC_CHECKS, Early, early_server
 from sgl_spec import corpus
 from sgl_spec.bench import aborts
 from sgl_spec.bench.agreement import divergence
@@ -36,7 +36,7 @@ MIN_TOKENS = 256  # the loopserve server's sparse prefill and decode thresholds
 def _loopserve_flags(model_path: str) -> list[str]:
     """Sparse prefill of extends from 256 new tokens, sparse decode (B=128) from 256
     tokens of history: the storm's requests take both, the probes neither."""
-    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS,
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
             "--spec-mode", "loopserve", "--spec-budget", "128",
             "--spec-min-context", str(MIN_TOKENS), "--spec-prefill", "loopserve",
             "--spec-prefill-min-tokens", str(MIN_TOKENS)]

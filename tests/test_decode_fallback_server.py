@@ -1,7 +1,8 @@
 """Fallback by default (issue 46): a sparse decode mode started without a profile measures
 where it pays on this host once (``--spec-decode-profile auto``), keeps the profile in the
-cache dir, and decodes exactly where sparse steps do not pay; ``--spec-decode-profile off``
-keeps ``--spec-min-context`` alone. Real servers, the default model, a 7k-token history."""
+cache dir, and decodes exactly where sparse steps do not pay (``--spec-decode-profile off``,
+which keeps ``--spec-min-context`` alone, is what the sparse-path test servers run). Real
+servers, the default model, a 7k-token history."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _decode(url: str, ids: list[int], n: int = 24) -> tuple[float, float]:
     after = sparse_counters.read(url)
     if after is None:  # exact mode registers no sparse-decode counters
         return 0.0, float(n)
-    d = sparse_counters.delta(after, before)
-    return d["sparse_steps"], d["exact_steps"]
+    d = sparse_counters.minus(after, before)
+    return d.sparse, d.exact
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +73,6 @@ def test_a_sparse_mode_without_a_profile_measures_once_and_decodes_where_it_pays
             or state["mode"] == "exact"
     # the measurement is what the first start added to a start (~20-40 s without it)
     assert started_s < MEASURE_BUDGET_S + 120, started_s
-    t0 = time.monotonic()
     with ServerProcess(SPEC, flags, env=env) as again:  # a second start reads it back
         assert "measuring" not in open(again.log_path).read()
         assert _state(again.url)["decision"] == state["decision"]
-    with ServerProcess(SPEC, [*flags, "--spec-decode-profile", "off"], env=env) as off:
-        state = _state(off.url)
-        assert state["mode"] == "loopserve" and state["min_context"] == 2048
-        assert state["decision"].startswith("--spec-decode-profile off")
-        sparse, _ = _decode(off.url, history)
-        assert sparse >= 23 - 16

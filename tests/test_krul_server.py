@@ -14,6 +14,7 @@ import requests
 
 from conftest import EARLY_SERVERS, SPEC_CHECKS, Early, early_dir, early_server
 from sgl_spec import boot
+from sgl_spec import cpu as host_cpu
 from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC, flush_cache
 from sgl_spec.cache import restore_clock
@@ -203,12 +204,13 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     # ~39% of the token-layers unstored (the profile's share), the rest in k8v4
     share = totals["recompute_share"]
     assert 0.3 < share < 0.5, totals
-    k8v4 = k8v4_row / (2 * 3 * 64 * 2)
+    elem = 4 if host_cpu.default_dtype() == "float32" else 2  # the pool's (sgl_spec.cpu)
+    k8v4 = k8v4_row / (2 * 3 * 64 * elem)
     ratio = totals["stored_bytes"] / totals["full_bytes"]
     assert k8v4 * (1 - share) * 0.9 < ratio < k8v4 * (1 - share) * 1.15, totals
     # the demoted conversation's branch shows its compressed and full bytes (the others'
     # host copies are compressed too, but their branches are still on the device)
-    full_token = 30 * 2 * 3 * 64 * 2
+    full_token = 30 * 2 * 3 * 64 * elem
     assert any(f >= (PROMPT_TOKENS - 32) * full_token and s < f * k8v4 * (1 - share) * 1.15
                for s, f in totals["branches"]), totals
     host = (meta.get("cached_tokens_details") or {}).get("host", 0)

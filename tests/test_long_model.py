@@ -11,7 +11,7 @@ import shutil
 import pytest
 import requests
 
-from conftest import COMMON_FLAGS, _log_path
+from conftest import COMMON_FLAGS, SPARSE_ALWAYS, _log_path
 from sgl_spec import model_sources
 from sgl_spec import corpus
 from sgl_spec.bench.dataset import Fact
@@ -97,7 +97,7 @@ def test_sparse_paths_serve_it_over_a_long_document(long_model_path, long_tok,
     """LoopServe decode (B=1024) and prefill (alpha 0.97) with turn eviction on a ~5k
     document: the planted fact is answered in the long style, turn 2 reuses turn 1's
     KV, and the cache endpoint tags both rounds."""
-    flags = ["--model-path", long_model_path, *COMMON_FLAGS, "--spec-mode", "loopserve",
+    flags = ["--model-path", long_model_path, *COMMON_FLAGS, *SPARSE_ALWAYS, "--spec-mode", "loopserve",
              "--spec-budget", "1024", "--spec-prefill", "loopserve",
              "--spec-prefill-alpha", "0.97", "--spec-cache-eviction", "turn"]
     with ServerProcess(SPEC, flags, log_path=_log_path(tmp_path_factory, "qwen")) as s:

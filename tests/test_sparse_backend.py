@@ -18,7 +18,7 @@ import torch
 
 from _aborts import abort_streams, live_requests, wait_until_freed
 from _sparse import SHAPE, FakePool, decode_step
-from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, Early, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, SPARSE_ALWAYS, SPEC_CHECKS, Early, early_server
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.core import AttentionCore
 from sgl_spec.attention.decode import Decoder
@@ -425,8 +425,8 @@ class TestBudgetCoversHistory:
 
 
 def _small_budget_flags(model_path: str) -> list[str]:
-    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, "--spec-mode", "loopserve",
-            "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics",
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
+            "--spec-mode", "loopserve", "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics",
             "--spec-sparse-kv-cache", "drop"]
 
 

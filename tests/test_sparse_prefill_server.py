@@ -57,7 +57,7 @@ class TestSparsePrefill:
     @classmethod
     def servers(cls, hf_tok, spec_server, loopserve_server):
         """The shared LoopServe server (conftest: sparse prefill from 600 new tokens at
-        alpha 0.98, decode covered by its budget) and the exact reference from the
+        the default alpha, decode covered by its budget) and the exact reference from the
         session's exact server, both caches flushed first."""
         prompts = {"long": long_prompt(hf_tok), "short": chatml(QUESTION)}
         for server in (spec_server, loopserve_server):

@@ -105,22 +105,18 @@ class _Bench:
 
     def __init__(self, cfg: DecodeConfig, shape: AttnShape, hidden: int, vocab: int,
                  batch: int, history: int, steps: int, head=None, seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", pool: tuple[list, list] | None = None):
         self.shape, self.hidden, self.vocab, self.batch = shape, hidden, vocab, batch
         self.device = dev = torch.device(device)
         self.gen = torch.Generator().manual_seed(seed)  # small draws, on the CPU
         self.drift: dict[int, torch.Tensor] = {}  # aux layer -> this step's hidden [B, Ht]
         ctx = history + steps + 1
-        slots = batch * ctx + 1
-        kv = (slots, shape.num_kv_heads, shape.head_dim)
-        # one buffer per layer, as sglang's pool; random rows (the time does not depend
-        # on them), drawn on the device (a CPU tensor copied in at each step would sync
-        # the host); scattered slots, as a pool after some churn
-        self.dgen = g = self.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(seed)
-        self.k = [torch.randn(kv, generator=g, device=dev).to(shape.kv_dtype)
-                  for _ in range(shape.num_layers)]
-        self.v = [torch.randn(kv, generator=g, device=dev).to(shape.kv_dtype)
-                  for _ in range(shape.num_layers)]
+        self.dgen = self.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(seed)
+        self.k, self.v = pool or kv_pool(shape, batch * ctx + 1, dev, self.dgen)
+        slots = self.k[0].shape[0]
+        if slots < batch * ctx + 1:
+            raise ValueError(f"a pool of {slots} slots holds no {batch} x {ctx} tokens")
+        # scattered slots, as a pool after some churn
         order = torch.randperm(slots - 1, generator=self.gen) + 1
         self.req_to_token = order[: batch * ctx].view(batch, ctx).to(
             dev, torch.int32).contiguous()
@@ -231,6 +227,17 @@ class _Bench:
         self.lens = [s + 1 for s in self.lens]
 
 
+def kv_pool(shape: AttnShape, slots: int, device, gen: torch.Generator
+            ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V buffers of ``slots`` rows per layer, as sglang's pool: random rows (the
+    time does not depend on them), drawn on the device (a CPU tensor copied in at each
+    step would sync the host). One pool serves every point of a profile."""
+    kv = (slots, shape.num_kv_heads, shape.head_dim)
+    draw = lambda: [torch.randn(kv, generator=gen, device=device).to(shape.kv_dtype)  # noqa: E731
+                    for _ in range(shape.num_layers)]
+    return draw(), draw()
+
+
 def _covered(cfg: DecodeConfig) -> int:
     """The longest history the budget, sink, window and the last prompt chunk cover."""
     return _LAST_CHUNK + cfg.budget + cfg.sink + cfg.window
@@ -300,6 +307,9 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
     med = {name: [] for name in rows}  # median seconds per step, by history
     runs = {name: [] for name in rows}  # every round's
     counts = []  # the sparse row's last round, by history
+    dev = torch.device(device)
+    pool = kv_pool(shape, batch * (max(histories) + warm + steps + 1) + 1, dev,
+                   torch.Generator(dev).manual_seed(1))
     bar = tqdm(total=len(histories) * repeats * 2, desc="decode steps", unit="point",
                disable=not progress)
     for h in histories:
@@ -309,7 +319,7 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
             for name, c in rows.items():
                 bar.set_postfix_str(f"{name} {h} tok x{batch}")
                 b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head,
-                           device=device)
+                           device=device, pool=pool)
                 for _ in range(warm):
                     b.step()
                 b.reset_counts()
