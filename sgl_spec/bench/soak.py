@@ -54,10 +54,13 @@ HICACHE = ("--enable-hierarchical-cache", "--hicache-io-backend", "direct",
 ROWS: dict[str, tuple[str, tuple[str, ...]]] = {  # name -> (launcher module, flags)
     "stock": (STOCK, tuple(configset.LAUNCHERS["stock"].flags)),
     "exact": (SPEC, ()),
-    # Thresholds at 512 (defaults 2048) so that most visits take the sparse paths.
+    # Thresholds at 512 (defaults 2048) so that most visits take the sparse paths, and
+    # taken whether or not sparse decode pays on this host (a reliability run).
     "sparse": (SPEC, ("--spec-mode", "loopserve", "--spec-prefill", "loopserve",
-                      "--spec-min-context", "512", "--spec-prefill-min-tokens", "512")),
-    "specontext": (SPEC, ("--spec-mode", "specontext", "--spec-min-context", "512")),
+                      "--spec-min-context", "512", "--spec-prefill-min-tokens", "512",
+                      "--spec-decode-profile", "off")),
+    "specontext": (SPEC, ("--spec-mode", "specontext", "--spec-min-context", "512",
+                          "--spec-decode-profile", "off")),
     "exact-pressure": (SPEC, ()),
     "exact-pressure-hicache": (SPEC, HICACHE),
 }
