@@ -1,8 +1,8 @@
 """Fallback by default (issue 46): a sparse decode mode started without a profile measures
 where it pays on this host once (``--spec-decode-profile auto``), keeps the profile in the
-cache dir, and decodes exactly where sparse steps do not pay (``--spec-decode-profile off``,
-which keeps ``--spec-min-context`` alone, is what the sparse-path test servers run). Real
-servers, the default model, a 7k-token history."""
+cache dir, and decodes exactly where sparse steps do not pay; ``--spec-decode-profile off``
+keeps ``--spec-min-context`` alone (what the sparse-path test servers run). Real servers,
+the default model, a 7k-token history."""
 
 from __future__ import annotations
 
@@ -76,3 +76,9 @@ def test_a_sparse_mode_without_a_profile_measures_once_and_decodes_where_it_pays
     with ServerProcess(SPEC, flags, env=env) as again:  # a second start reads it back
         assert "measuring" not in open(again.log_path).read()
         assert _state(again.url)["decision"] == state["decision"]
+    with ServerProcess(SPEC, [*flags, "--spec-decode-profile", "off"], env=env) as off:
+        state = _state(off.url)
+        assert state["mode"] == "loopserve" and state["min_context"] == 2048
+        assert state["decision"].startswith("--spec-decode-profile off")
+        sparse, _ = _decode(off.url, history)
+        assert sparse >= 23 - 16

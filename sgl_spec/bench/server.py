@@ -77,10 +77,11 @@ class ServerStartError(RuntimeError):
     pass
 
 
-def flush_cache(url: str, attempts: int = 20) -> None:
+def flush_cache(url: str, attempts: int = 120) -> None:
     """Empty the server's radix cache, so that no measurement starts with another's
     prefixes cached. sglang refuses while a request is still finishing (its answer
-    can reach the client first): retried every 0.5 s, then RuntimeError."""
+    can reach the client first) or HiCache is still writing back: retried every 0.5 s,
+    then RuntimeError."""
     for _ in range(attempts):
         r = requests.post(url.rstrip("/") + "/flush_cache", timeout=60)
         if r.status_code == 200:
