@@ -166,6 +166,9 @@ class Early(NamedTuple):
     flags: Callable[[str], list[str]]
     env: Callable[[str], dict[str, str]] | None = None
     prepares: bool = False  # flags() trains or measures something first: launched last
+    # HiCache: its host pool starts only where 10 GiB of host memory stay free (sglang's
+    # reserve), so these go before the others fill the memory
+    host_tier: bool = False
 
     def server(self, model_path: str, log_path: str | None = None) -> ServerProcess:
         env = self.env(model_path) if self.env else None
@@ -176,7 +179,7 @@ EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
     "spec_server": Early(SPEC, _spec_flags),
     "stock_server": Early(STOCK, _stock_flags),
     "loopserve_server": Early(SPEC, _loopserve_flags),
-    "specontext_server": Early(SPEC, _specontext_flags, prepares=True),
+    "specontext_server": Early(SPEC, _specontext_flags, prepares=True, host_tier=True),
 }
 _launched: dict[str, ServerProcess] = {}
 _launch_failed: dict[str, BaseException] = {}
@@ -241,12 +244,23 @@ def pytest_collection_finish(session):
     logs = session.config._tmp_path_factory.mktemp("logs")
     if not _base_dir:
         _base_dir.append(session.config._tmp_path_factory.mktemp("early"))
-    wanted.sort(key=lambda name: EARLY_SERVERS[name].prepares)
+    wanted.sort(key=lambda name: (not EARLY_SERVERS[name].host_tier,
+                                  EARLY_SERVERS[name].prepares))
     for name in wanted:
         _launching[name] = threading.Event()
 
-    def launch_all():  # those that prepare nothing first; a preparation delays only later ones
+    def launch_all():  # HiCache first, then those that prepare nothing (a preparation delays
+        # only later ones)
+        hicache = [name for name in wanted if EARLY_SERVERS[name].host_tier]
         for name in wanted:
+            if name not in hicache and hicache:  # the HiCache servers' host pools are sized
+                for first in hicache:  # now: the others may take the memory they checked
+                    try:
+                        if first in _launched:
+                            _launched[first].wait_healthy()
+                    except BaseException:  # its fixture sees the start fail
+                        pass
+                hicache = []
             try:
                 server = EARLY_SERVERS[name].server(model, log_path=str(logs / f"{name}.log"))
                 _launched[name] = server.launch()

@@ -323,7 +323,7 @@ def _hicache_flags(model_path: str) -> list[str]:
 
 
 if not boot.cuda_host():  # launched early (conftest), with the session's servers
-    EARLY_SERVERS["hicache_server"] = Early(STOCK, _hicache_flags)
+    EARLY_SERVERS["hicache_server"] = Early(STOCK, _hicache_flags, host_tier=True)
 
 
 @pytest.fixture(scope="module")

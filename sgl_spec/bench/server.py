@@ -129,7 +129,7 @@ class ServerProcess:
         """Launch (unless ``launch`` already did) and wait until healthy."""
         if self.proc is None:
             self.launch()
-        self._wait_healthy()
+        self.wait_healthy()
         threading.Thread(target=self._sample_memory, daemon=True).start()
         return self
 
@@ -169,7 +169,7 @@ class ServerProcess:
 
         prepare(_value(a, "--model-path") or prepare_model())
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
