@@ -226,9 +226,12 @@ def _assert_invariants_held(server: ServerProcess) -> None:
 
 
 def pytest_collection_modifyitems(items):
-    """Unit tests first, then the tests that start servers (each group in its
-    collected order): the shared servers boot during the first group."""
-    items.sort(key=lambda item: item.get_closest_marker("server") is not None)
+    """Unit tests first, then the tests that start servers, then those marked ``alone``
+    (each group in its collected order): the shared servers boot during the first group,
+    and the module-scoped ones have stopped before the last (ten float32 servers and
+    one more fill 24 GiB)."""
+    items.sort(key=lambda item: (item.get_closest_marker("server") is not None,
+                                 item.get_closest_marker("alone") is not None))
 
 
 def pytest_collection_finish(session):

@@ -18,7 +18,7 @@ from sgl_spec.attention import step_cost
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, ServerProcess
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.alone]
 
 HISTORY = 7000
 MEASURE_BUDGET_S = 180  # the first start's measurement (the bound)
