@@ -252,21 +252,14 @@ def pytest_collection_finish(session):
     for name in wanted:
         _launching[name] = threading.Event()
 
-    def launch_all():  # HiCache first, then those that prepare nothing (a preparation delays
-        # only later ones)
-        hicache = [name for name in wanted if EARLY_SERVERS[name].host_tier]
+    def launch_all():  # HiCache first, one at a time, then those that prepare nothing (a
+        # preparation delays only later ones)
         for name in wanted:
-            if name not in hicache and hicache:  # the HiCache servers' host pools are sized
-                for first in hicache:  # now: the others may take the memory they checked
-                    try:
-                        if first in _launched:
-                            _launched[first].wait_healthy()
-                    except BaseException:  # its fixture sees the start fail
-                        pass
-                hicache = []
             try:
                 server = EARLY_SERVERS[name].server(model, log_path=str(logs / f"{name}.log"))
                 _launched[name] = server.launch()
+                if EARLY_SERVERS[name].host_tier:  # its host pool is sized once it is up:
+                    server.wait_healthy()  # the next ones may take the memory it checked
             except BaseException as exc:  # re-raised by the fixture that needs it
                 _launch_failed[name] = exc
             finally:
