@@ -73,10 +73,11 @@ if not boot.cuda_host():
         SPEC, lambda m: _args(m) + ["--hicache-storage-backend", "file",
                                     "--hicache-storage-prefetch-policy", "wait_complete",
                                     "--spec-krul-profile", _profile()],
-        env=_storage, prepares=True)
+        env=_storage, prepares=True, host_tier=True)
     EARLY_SERVERS["krul_merging_server"] = Early(
         SPEC, lambda m: _args(m) + ["--spec-krul-max-error", "1", "--spec-krul-codec", "int8"],
-        env=lambda m: {"SGLSPEC_KRUL_CORRUPT": "1000"}, prepares=True)  # every node
+        env=lambda m: {"SGLSPEC_KRUL_CORRUPT": "1000"}, prepares=True,  # every node
+        host_tier=True)
 
 
 @pytest.fixture(scope="module")
