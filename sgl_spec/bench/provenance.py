@@ -13,16 +13,11 @@ import sys
 import time
 from importlib import metadata
 
+from sgl_spec import cpu as host_cpu
+
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return host_cpu.model_name() or platform.processor() or "unknown"
 
 
 def _version(dist: str) -> str | None:
