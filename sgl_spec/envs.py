@@ -70,3 +70,16 @@ def cache_dir() -> str:
         os.path.expanduser("~"), ".cache"
     )
     return os.path.join(base, "sgl_spec")
+
+
+def keyed_path(kind: str, model_path: str, key: list, tag: str = "", suffix: str = "",
+               root: str | None = None) -> str:
+    """Where something measured or trained once per ``key`` (a JSON-able list that
+    names the model and every setting it depends on) is kept: ``<cache dir>/<kind>/
+    <model dir name><tag>-<digest of key><suffix>``."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{os.path.basename(os.path.abspath(model_path).rstrip('/'))}{tag}-{digest}{suffix}"
+    return os.path.join(root or cache_dir(), kind, name)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -32,11 +31,8 @@ _FORMAT = 1  # bump when training changes what a prepared head is
 
 def head_dir(model_path: str, tc: TrainConfig, cache_dir: str | None = None) -> str:
     """Where the head of ``model_path`` trained with ``tc`` is kept."""
-    model_path = os.path.abspath(model_path)
-    key = json.dumps([_FORMAT, model_path, dataclasses.asdict(tc)], sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    name = f"{os.path.basename(model_path.rstrip('/'))}-{digest}"
-    return os.path.join(cache_dir or envs.cache_dir(), "heads", name)
+    key = [_FORMAT, os.path.abspath(model_path), dataclasses.asdict(tc)]
+    return envs.keyed_path("heads", model_path, key, root=cache_dir)
 
 
 def is_prepared(path: str) -> bool:

@@ -404,18 +404,13 @@ def profile_path(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu
                  cache_dir: str | None = None) -> str:
     """Where the profile that ``--spec-decode-profile auto`` measures for this host,
     model, KV dtype, device and decode flags (``MATCH``) is kept in the cache dir."""
-    import hashlib
-
     from sgl_spec import cpu as host_cpu
     from sgl_spec import envs
 
-    model_path = os.path.abspath(model_path)
-    key = json.dumps([_FORMAT, host_cpu.model_name(), os.cpu_count(), model_path, kv,
-                      torch.device(device).type, {k: getattr(cfg, k) for k in MATCH}],
-                     sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    name = f"{os.path.basename(model_path.rstrip('/'))}-{cfg.mode}-B{cfg.budget}-{digest}.json"
-    return os.path.join(cache_dir or envs.cache_dir(), "decode-profiles", name)
+    key = [_FORMAT, host_cpu.model_name(), os.cpu_count(), os.path.abspath(model_path), kv,
+           torch.device(device).type, {k: getattr(cfg, k) for k in MATCH}]
+    return envs.keyed_path("decode-profiles", model_path, key,
+                           tag=f"-{cfg.mode}-B{cfg.budget}", suffix=".json", root=cache_dir)
 
 
 def prepare_profile(model_path: str, cfg: DecodeConfig, kv: str, device: str = "cpu",

@@ -12,7 +12,6 @@ target in transformers (float32) and kept in the cache dir, like the retrieval h
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -45,11 +44,8 @@ class CalibrationConfig:
 
 
 def stats_path(model_path: str, cc: CalibrationConfig = CalibrationConfig()) -> str:
-    model_path = os.path.abspath(model_path)
-    key = json.dumps([_FORMAT, model_path, dataclasses.asdict(cc)], sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    name = f"{os.path.basename(model_path.rstrip('/'))}-{digest}.json"
-    return os.path.join(envs.cache_dir(), "krul", name)
+    key = [_FORMAT, os.path.abspath(model_path), dataclasses.asdict(cc)]
+    return envs.keyed_path("krul", model_path, key, suffix=".json")
 
 
 def query_rows(n: int, cc: CalibrationConfig, gen: torch.Generator) -> torch.Tensor:
