@@ -30,6 +30,8 @@ PREFETCH = ("auto", "inline", "thread", "stream")
 SPARSE_KV_CACHE = ("auto", "keep", "drop")
 # Radix-cache eviction orders.
 CACHE_EVICTIONS = ("lru", "turn")
+# The radix tree's core: the turn-tagged one where a feature reads tags, or as asked.
+TREE_CORES = ("auto", "compiled", "tagged")
 # How sglang's DP controller picks a rank (--dp-size > 1): by cached prefix, or sglang's.
 DP_DISPATCH = ("cache_aware", "sglang")
 # --spec-decode-profile's values other than a file: measure once and cache, or none.
@@ -113,6 +115,12 @@ FLAGS: tuple[Flag, ...] = (
          "(finished turns' reasoning the chat template drops from history) first, then "
          "the least recently active conversations, oldest rounds first (the turn-tagged "
          "tree core).", CACHE_EVICTIONS),
+    Flag("--spec-tree-core", "cache", "tree_core", "choice",
+         "The radix tree's core. 'auto': sgl_spec's turn-tagged core where a feature reads "
+         "turn tags (--spec-cache-eviction turn, --spec-krul, LoopServe prefill with "
+         "reuse), sglang's compiled core otherwise; 'tagged': the turn-tagged core always "
+         "(to compare a tagged feature with HiCache on the same core); 'compiled': "
+         "sglang's, refused with a feature that needs tags.", TREE_CORES),
     Flag("--spec-dp-dispatch", "cache", "dp_dispatch", "choice",
          "With --dp-size > 1 and sglang's round-robin --load-balance-method: "
          "'cache_aware' sends a request to the DP rank that was sent the longest prefix "
@@ -224,6 +232,7 @@ def _check(section: str, obj) -> None:
 class CacheConfig:
     eviction: str = "lru"
     dp_dispatch: str = "cache_aware"
+    tree_core: str = "auto"
 
     def __post_init__(self):
         _check("cache", self)
@@ -375,13 +384,27 @@ class SpecConfig:
         if self.disable and self.krul.enable:
             raise ValueError("--spec-krul needs sgl_spec's cache; valid: drop --spec-disable, "
                              "or drop --spec-krul")
+        needs = self._tag_readers()
+        if self.cache.tree_core == "compiled" and needs:
+            raise ValueError(f"--spec-tree-core compiled: {', '.join(needs)} read turn tags, "
+                             "which only the tagged core keeps; valid: auto or tagged, or "
+                             f"drop {', '.join(needs)}")
+
+    def _tag_readers(self) -> list[str]:
+        """The flags whose features read turn tags on the tree's nodes."""
+        return [name for name, on in (
+            ("--spec-cache-eviction turn", self.cache.eviction == "turn"),
+            ("--spec-krul", self.krul.enable),
+            ("--spec-prefill loopserve (with reuse)",
+             self.prefill.mode == "loopserve" and self.prefill.reuse)) if on]
 
     @property
     def tagged_cache(self) -> bool:
-        """Whether a feature reads turn tags on the radix tree's nodes (turn eviction,
-        LoopServe's kept lines); otherwise the cache runs sglang's compiled tree core."""
-        return self.cache.eviction == "turn" or self.krul.enable or (
-            self.prefill.mode == "loopserve" and self.prefill.reuse)
+        """Whether the radix cache runs the turn-tagged tree core: asked for, or a feature
+        reads turn tags on its nodes (turn eviction, Krul, LoopServe's kept lines);
+        otherwise sglang's compiled tree core."""
+        return self.cache.tree_core == "tagged" or (
+            self.cache.tree_core == "auto" and bool(self._tag_readers()))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

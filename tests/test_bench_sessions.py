@@ -122,6 +122,8 @@ def test_krul_follow_ups_are_paired_with_hicache_ones_of_the_same_visit_round_an
     assert p["stage_s"][1] == pytest.approx(0.05) and p["other_stage_s"][1] == pytest.approx(0.1)
     assert sessions.counterpart("krul+file") == "hicache+file"
     assert sessions.counterpart("krul-int8") == "hicache"
+    assert sessions.counterpart("krul", {"hicache": [], "hicache-tagged": []}) == "hicache-tagged"
+    assert "--spec-tree-core" in sessions.row_args("hicache-tagged", "M", 1000, 2.0, 9000)
     res = {"summary": sessions.summarize({"krul": krul[0], "hicache": hicache[0]}, None),
            "config": {"conversations": 2, "doc_tokens": 1, "device_tokens": 1,
                       "host_ratio": 1.0, "rounds": 2},

@@ -94,6 +94,16 @@ def test_prefill_flags_fill_the_config_independently_of_the_decode_mode():
     assert SpecConfig.from_json(cfg.to_json()) == cfg
 
 
+def test_the_tree_core_is_asked_for_or_follows_the_features_that_read_tags():
+    assert split_argv(["--spec-tree-core", "tagged"])[0].tagged_cache
+    assert not split_argv(["--spec-tree-core", "compiled"])[0].tagged_cache
+    assert split_argv(["--spec-cache-eviction", "turn"])[0].tagged_cache
+    code, err = _split(["--spec-tree-core", "compiled", "--spec-krul"])
+    assert code == 2 and "--spec-krul read turn tags" in err and "valid: auto or tagged" in err
+    code, err = _split(["--spec-tree-core", "python"])
+    assert code == 2 and "'auto', 'compiled', 'tagged'" in err, err
+
+
 @pytest.mark.parametrize("bf16", [True, False], ids=["native-bf16", "no-native-bf16"])
 def test_cpu_defaults_are_added_only_when_not_given(bf16, monkeypatch):
     from sgl_spec import cpu
@@ -400,6 +410,12 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
         return
     if given_.get("--spec-disable") and given_.get("--spec-krul"):
         assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
+        return
+    if given_.get("--spec-tree-core") == "compiled" and (
+            given_.get("--spec-cache-eviction") == "turn" or given_.get("--spec-krul") or (
+                given_.get("--spec-prefill") == "loopserve"
+                and given_.get("--spec-prefill-reuse", True))):
+        assert got == 2 and "--spec-tree-core compiled:" in err and "valid: auto or tagged" in err
         return
     cfg, rest = got
     assert rest == sglang

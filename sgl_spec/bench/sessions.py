@@ -12,6 +12,8 @@ only the cache differs:
 * ``recompute``: no HiCache, an evicted history is recomputed;
 * ``hicache``: HiCache's full copy in host memory (``--hicache-ratio``);
 * ``hicache+file``: the same, plus sglang's ``file`` storage backend (L3);
+* ``hicache-tagged``: ``hicache`` on the turn-tagged tree core (``--spec-tree-core
+  tagged``), the core every ``krul`` row runs on: Krul against HiCache like for like;
 * ``krul``: ``--spec-krul`` (compressed host rows, k8v4) in the same host byte budget;
 * ``krul+file``: the same with the ``file`` backend (compressed pages);
 * ``krul-int8``: ``--spec-krul-codec int8``, for the accuracy the 4-bit values cost;
@@ -64,8 +66,8 @@ OPENING = "Here is the output of the document tool. Read it; I will ask about it
 HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
            "--hicache-mem-layout", "layer_first"]
 ROWS = ("reference", "recompute", "hicache", "hicache+file", "krul", "krul+file", "krul-int8",
-        "krul-recompute")
-DEFAULT_ROWS = ROWS[:-1]
+        "hicache-tagged", "krul-recompute")
+DEFAULT_ROWS = ROWS[:-2]
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,7 @@ def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
     (``extra``, the same for every row, appended)."""
     hicache = HICACHE + ["--hicache-ratio", f"{host_ratio:.3f}"]
     cache = {"recompute": [], "hicache": hicache, "hicache+file": hicache + STORAGE,
+             "hicache-tagged": hicache + ["--spec-tree-core", "tagged"],
              "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
              "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"],
              "krul-recompute": hicache + KRUL + ["--spec-krul-profile", profile or ""]}
@@ -323,9 +326,12 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
     return out
 
 
-def counterpart(row: str) -> str:
-    """The HiCache row a Krul row is paired with: the same tiers, a full copy."""
-    return "hicache+file" if row.endswith("+file") else "hicache"
+def counterpart(row: str, played=()) -> str:
+    """The HiCache row a Krul row is paired with: the same tiers, a full copy; on the
+    same (tagged) tree core where ``hicache-tagged`` was played."""
+    if row.endswith("+file"):
+        return "hicache+file"
+    return "hicache-tagged" if "hicache-tagged" in played else "hicache"
 
 
 def paired(played: dict, row: str, other: str, source: str = "host") -> dict:
@@ -471,8 +477,8 @@ def main(argv: list[str] | None = None) -> None:
                    "server_flags": args.extra},
         "rows": rows,
         "summary": summary,
-        "paired": {f"{r} vs {counterpart(r)}": paired(played, r, counterpart(r))
-                   for r in rows if r.startswith("krul") and counterpart(r) in played},
+        "paired": {f"{r} vs {counterpart(r, played)}": paired(played, r, counterpart(r, played))
+                   for r in rows if r.startswith("krul") and counterpart(r, played) in played},
         "ttft_rounds": {r: [[summarize({r: p}, None)[r][k] for k in
                              ("ttft_host_s", "ttft_storage_s", "ttft_recomputed_s")] for p in v]
                         for r, v in played.items()},

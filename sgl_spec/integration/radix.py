@@ -8,7 +8,8 @@ Subclasses of sglang's UnifiedRadixCache, built through sglang's own
   (``tree_view.SlotTokens``) for ``GET /sgl_spec/cache``, which derives turns and
   rounds on demand;
 * ``TaggedRadixCache`` (``SpecConfig.tagged_cache``: ``--spec-cache-eviction turn``,
-  LoopServe prefill with reuse, or ``--spec-krul``): the turn-tagged tree core
+  LoopServe prefill with reuse, ``--spec-krul``, or ``--spec-tree-core tagged``): the
+  turn-tagged tree core
   (``tree_core``), whose nodes carry turn tags and payloads (Krul's compressed-node
   records: ``krul``). LoopServe's lines kept per turn are a payload of the
   node where the turn's extend ends; matches and checkpoints hand the deepest ones on a
