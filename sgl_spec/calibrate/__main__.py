@@ -18,6 +18,13 @@ history lengths on this host (``sgl_spec.attention.step_cost``), prints both and
 length from which the sparse step is faster, and writes a plot; the last line is the
 JSON profile's path, which ``--spec-decode-profile`` servers read (shorter histories
 decode exactly).
+
+``python -m sgl_spec.calibrate watershed [--model-path DIR] [--quick] [--out FILE]``
+measures the model's watershed layer L_w (Round Attention, Appendix B;
+``sgl_spec.rounds.watershed``) on multi-round conversations from the bundled corpus:
+per layer, the mean KL divergence of the last query token's round-level attention to
+every later layer's; prints the curve and L_w, writes a plot; the last line is the JSON
+profile (kept in the cache dir, where round mode reads it).
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog="python -m sgl_spec.calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="what", required=True, metavar="{strategy,restore,decode}")
+    sub = ap.add_subparsers(dest="what", required=True,
+                            metavar="{strategy,restore,decode,watershed}")
     sp = sub.add_parser("strategy", help="Krul's attention statistics and layer pairs")
     sp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
     sp.add_argument("--force", action="store_true", help="measure again over a saved file")
@@ -45,7 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     _restore_args(rp)
     dp = sub.add_parser("decode", help="where a sparse decode mode is faster than exact")
     _decode_args(dp)
+    wp = sub.add_parser("watershed", help="Round Attention's watershed layer L_w")
+    wp.add_argument("--model-path", help="HF model dir (default: sgl_spec's default model)")
+    wp.add_argument("--quick", action="store_true", help="three short conversations (tests)")
+    wp.add_argument("--force", action="store_true", help="measure again over a saved profile")
+    wp.add_argument("--out", help="output JSON (default: the cache dir, reused)")
     args = ap.parse_args(argv)
+    if args.what == "watershed":
+        return _watershed(wp, args)
     if args.what == "restore":
         return _restore(ap, args)
     if args.what == "decode":
@@ -267,6 +282,56 @@ def _plot_decode(prof: dict, path: str) -> str:
     plots.finish_axes(ax)
     return plots.save(fig, path)
 
+
+def _watershed(wp: argparse.ArgumentParser, args) -> int:
+    import os
+
+    from sgl_spec.bench.cli import model_path
+    from sgl_spec.rounds import watershed
+
+    model = model_path(wp, args.model_path)
+    wc = watershed.WatershedConfig.quick() if args.quick else watershed.WatershedConfig()
+    try:
+        path = watershed.prepare(model, wc, force=args.force, out=args.out)
+        prof = watershed.load(path)
+    except ValueError as exc:
+        wp.error(str(exc))
+    curve, lw, n = prof["curve"], prof["watershed"], prof["layers"]
+    print(f"{os.path.basename(model.rstrip('/'))}: {len(prof['curves'])} conversations, "
+          f"{min(prof['rounds'])}-{max(prof['rounds'])} earlier rounds, "
+          f"{min(prof['tokens'])}-{max(prof['tokens'])} tokens")
+    print("layer   mean KL to later layers")
+    for i, kl in enumerate(curve):
+        print(f"{i + 1:5d}   {kl:.4f}{'   <- L_w' if lw == i + 1 else ''}")
+    print(f"L_w = {lw} of {n} layers (layers 1..L_w keep every round on the device)"
+          if lw is not None else
+          f"no significant local minimum in {n} layers: round mode serves this model exactly")
+    print(f"plot: {_plot_watershed(prof, os.path.splitext(path)[0] + '.png')}")
+    print(os.path.abspath(path))
+    return 0
+
+
+def _plot_watershed(prof: dict, path: str) -> str:
+    """Mean KL to later layers against the layer (each conversation thin, the mean
+    thick), L_w marked."""
+    import os
+
+    from sgl_spec.bench import plots
+
+    plt = plots.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = list(range(1, len(prof["curve"]) + 1))
+    for c in prof["curves"]:
+        ax.plot(x, c, color="0.8", lw=0.7)
+    ax.plot(x, prof["curve"], marker="o", ms=3, label="mean")
+    if prof["watershed"] is not None:
+        ax.axvline(prof["watershed"], color="C3", ls="--", label=f"L_w = {prof['watershed']}")
+    ax.set_xlabel("layer (1-based)")
+    ax.set_ylabel("mean KL(P_layer || P_later)")
+    ax.set_title(os.path.basename(prof["model"].rstrip("/")))
+    ax.legend()
+    plots.finish_axes(ax)
+    return plots.save(fig, path)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,83 @@
+"""Which earlier rounds a new question attends past the watershed (Round Attention,
+Sec. 3.3), from qAtt at layer L_w (Eq. 1) normalised over the earlier rounds.
+
+A registry of strategies (``--spec-round-strategy``):
+
+* ``topk``: the top 10% of the rounds by attention (at least one), the paper's
+  Strategy 2 (the top 10% hold over 80% of the mass);
+* ``fixed``: the rounds whose share exceeds a fixed threshold (0.1), Strategy 1;
+* ``adaptive``: the rounds whose share exceeds mean + 3 std of the shares (the outliers).
+
+Whatever a strategy picks, ``select`` also keeps the ``recent`` rounds just before the
+question (a follow-up usually refers to them) and at least the most attended round; the
+system prompt's round (0) and the question's own round are not candidates: the server
+always keeps both.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+class RoundStrategy(ABC):
+    """Picks rounds from ``share`` [R] fp32 (qAtt over the R earlier rounds, sums to 1);
+    returns a [R] bool mask. Stateless."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def pick(self, share: torch.Tensor) -> torch.Tensor: ...
+
+
+class TopK(RoundStrategy):
+    name = "topk"
+    fraction = 0.10
+
+    def pick(self, share):
+        k = max(1, math.ceil(self.fraction * share.numel()))
+        mask = torch.zeros_like(share, dtype=torch.bool)
+        mask[torch.topk(share, k).indices] = True
+        return mask
+
+
+class Fixed(RoundStrategy):
+    name = "fixed"
+    threshold = 0.1
+
+    def pick(self, share):
+        return share > self.threshold
+
+
+class Adaptive(RoundStrategy):
+    name = "adaptive"
+    sigmas = 3.0
+
+    def pick(self, share):
+        return share > share.mean() + self.sigmas * share.std(unbiased=False)
+
+
+STRATEGIES: dict[str, type[RoundStrategy]] = {c.name: c for c in (TopK, Fixed, Adaptive)}
+
+
+def strategy(name: str) -> RoundStrategy:
+    """The strategy registered as ``name``; ValueError lists the valid ones."""
+    if name not in STRATEGIES:
+        raise ValueError(f"round strategy {name!r} is invalid; valid: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]()
+
+
+def select(share: torch.Tensor, how: RoundStrategy, recent: int = 1) -> list[int]:
+    """Indices (ascending, into ``share``'s R earlier rounds) of the rounds a question
+    attends past L_w: ``how``'s pick, the last ``recent`` rounds and the most attended
+    one."""
+    if share.dim() != 1 or share.numel() == 0:
+        raise ValueError(f"share must be a non-empty [R] vector, got shape {tuple(share.shape)}")
+    mask = how.pick(share.float())
+    if recent > 0:
+        mask[-recent:] = True
+    mask[int(torch.argmax(share))] = True
+    return torch.nonzero(mask).flatten().tolist()

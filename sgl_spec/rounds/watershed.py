@@ -1,0 +1,206 @@
+"""The watershed layer L_w (Round Attention, Sec. 3.1 Observation 2 and Appendix B).
+
+For a conversation of rounds 1..n-1 and a new question (round n), each layer l gives a
+distribution P^l over the earlier rounds: the last query token's attention mass on each
+round's tokens, normalised over them. Past some layer these distributions agree: for
+each layer i, the mean KL divergence KL(P^i || P^j) over the later layers j > i drops
+and stays low. L_w is the first *significant* local minimum of that curve.
+
+Counting follows the paper (Table 5's 11 of 24 for Qwen2.5-0.5B; Eq. 2's L_w / L):
+layers 1..L_w keep every round's KV on the device, and the round selection reads layer
+L_w's attention. The curve is indexed by 0-based layer; a minimum at index i is
+L_w = i + 1.
+
+Rounds are those of the turn tags (``sgl_spec.cache.segment``: a round steps at each
+user turn, the system prompt is round 0). Round 0 is left out of the distribution: a
+server always keeps it (and its first tokens are an attention sink at every layer,
+which would make all layers look alike), as it keeps the current round.
+
+    python -m sgl_spec.calibrate watershed [--model-path DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sgl_spec import envs
+
+logger = logging.getLogger(__name__)
+
+_FORMAT = 1
+EPS = 1e-6  # added to every round's mass before the KL: empty rounds have log 0
+
+
+@dataclass(frozen=True)
+class WatershedConfig:
+    """What the calibration plays: ``conversations`` chats of ``rounds`` (lo, hi) rounds
+    of ``round_tokens`` (lo, hi) prose tokens each (``sgl_spec.rounds.conversations``);
+    ``significance``: a local minimum counts where it lies within this share of the
+    curve's range above its lowest value, after a drop of the rest (``find_watershed``)."""
+
+    conversations: int = 16
+    rounds: tuple[int, int] = (12, 24)
+    round_tokens: tuple[int, int] = (60, 160)
+    significance: float = 0.25
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.conversations < 1 or not 2 <= self.rounds[0] <= self.rounds[1]:
+            raise ValueError(f"need conversations >= 1 and 2 <= rounds lo <= hi; got "
+                             f"{self.conversations}, {self.rounds}")
+        if not 0 < self.significance < 1:
+            raise ValueError(f"significance must be in (0, 1), got {self.significance}")
+
+    @classmethod
+    def quick(cls) -> WatershedConfig:
+        """Three short conversations: seconds, for tests."""
+        return cls(conversations=3, rounds=(6, 8), round_tokens=(40, 80))
+
+
+def round_spans(ids: list[int], fmt) -> list[tuple[int, int]]:
+    """[start, end) of rounds 1..n-1 in ``ids`` (a chat whose last round is the new
+    question): the earlier rounds a question can select. ``fmt``: the model's
+    ``TurnFormat``."""
+    from sgl_spec.cache.segment import segment
+
+    bounds: dict[int, list[int]] = {}
+    for span in segment(ids, fmt):
+        b = bounds.setdefault(span.tag.round, [span.start, span.end])
+        b[0], b[1] = min(b[0], span.start), max(b[1], span.end)
+    last = max(bounds)
+    return [tuple(bounds[r]) for r in sorted(bounds) if 0 < r < last]
+
+
+def round_mass(p: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``p`` [T] fp32 (one query's attention over T positions) summed over each span and
+    normalised over the spans: [len(spans)] fp32, sums to 1."""
+    m = torch.stack([p[a:b].sum() for a, b in spans]).clamp_min(0)
+    return m / m.sum().clamp_min(1e-30)
+
+
+def mean_kl_to_later(P: torch.Tensor) -> torch.Tensor:
+    """``P`` [L, R] fp32 (each layer's distribution over R rounds) -> [L - 1] fp32: for
+    layer i, the mean over j > i of KL(P_i || P_j). (The last layer has no later one.)"""
+    q = P.double() + EPS
+    q = q / q.sum(dim=1, keepdim=True)
+    logq = q.log()
+    # kl[i, j] = sum_r q_i,r (log q_i,r - log q_j,r)
+    kl = (q * logq).sum(1, keepdim=True) - q @ logq.T  # [L, L]
+    L = P.shape[0]
+    later = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)
+    out = (kl * later).sum(1)[:-1] / later.sum(1)[:-1]
+    return out.float()
+
+
+def find_watershed(curve: list[float] | torch.Tensor, significance: float = 0.25) -> int | None:
+    """The first significant local minimum of the mean-KL curve, as L_w (1-based: the
+    minimum at 0-based index i gives i + 1); None when the curve has none.
+
+    A local minimum: lower than the layer before it, not higher than the one after (the
+    curve's last point needs only the first). Significant: within ``significance`` of
+    the curve's range above its lowest value, and reached by a drop of at least
+    ``1 - significance`` of the range from the highest point before it. So neither a
+    ripple in the high part of the curve counts, nor a low start (first layers that
+    agree with the later ones before the layers that disagree)."""
+    c = [float(x) for x in curve]
+    if len(c) < 3:
+        return None
+    lo, hi = min(c), max(c)
+    if hi - lo <= 0:
+        return None
+    bar, drop = lo + significance * (hi - lo), (1 - significance) * (hi - lo)
+    for i in range(1, len(c)):
+        if c[i] < c[i - 1] and (i == len(c) - 1 or c[i] <= c[i + 1]) and c[i] <= bar \
+                and max(c[:i]) - c[i] >= drop:
+            return i + 1
+    return None
+
+
+def profile_path(model_path: str, wc: WatershedConfig = WatershedConfig()) -> str:
+    """Where ``prepare`` keeps the model's watershed profile (the cache dir)."""
+    key = [_FORMAT, os.path.abspath(model_path), dataclasses.asdict(wc)]
+    return envs.keyed_path("watershed", model_path, key, suffix=".json")
+
+
+def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
+            progress: bool = True) -> dict:
+    """Appendix B on ``wc``'s conversations, the model in transformers (float32).
+    Returns the profile: the per-conversation curves, their mean, L_w (None: no
+    significant minimum), the layer count and the mean per-layer distributions'
+    entropy (how peaked the selection would be)."""
+    import random
+
+    from tqdm import tqdm
+
+    from sgl_spec.cache.turn_format import derive
+    from sgl_spec.head.train import load_target
+    from sgl_spec.rounds.conversations import conversation
+
+    model, tok, rec = load_target(model_path)
+    fmt = derive(tok)
+    layers = model.config.num_hidden_layers
+    rng = random.Random(wc.seed)
+    curves, tokens, sizes = [], [], []
+    bar = tqdm(range(wc.conversations), desc="watershed: conversations", unit="conv",
+               disable=not progress)
+    for i in bar:
+        conv = conversation(tok, rng.randint(*wc.rounds), wc.round_tokens,
+                            seed=wc.seed * 1009 + i)
+        text = tok.apply_chat_template(list(conv.messages), tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        spans = round_spans(ids, fmt)
+        if len(spans) < 2:
+            raise ValueError(f"the chat template of {model_path} yields {len(spans)} earlier "
+                             "rounds for a multi-round chat: no watershed can be measured")
+        rec.start(torch.tensor([len(ids) - 1]), per_layer=True)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+        P = torch.stack([round_mass(p[:, 0].mean(0), spans) for p in rec.per_layer])
+        rec.per_layer = rec.rows = None
+        curves.append(mean_kl_to_later(P).tolist())
+        tokens.append(len(ids))
+        sizes.append(len(spans))
+        bar.set_postfix(tokens=len(ids), rounds=len(spans))
+    mean = torch.tensor(curves).mean(0)
+    return {"format": _FORMAT, "model": os.path.abspath(model_path), "layers": layers,
+            "config": dataclasses.asdict(wc), "curve": mean.tolist(), "curves": curves,
+            "tokens": tokens, "rounds": sizes,
+            "watershed": find_watershed(mean, wc.significance)}
+
+
+def prepare(model_path: str, wc: WatershedConfig = WatershedConfig(), force: bool = False,
+            out: str | None = None) -> str:
+    """Measure (once) and return the path of the model's watershed profile (JSON)."""
+    path = out or profile_path(model_path, wc)
+    if os.path.exists(path) and not force:
+        return path
+    prof = measure(model_path, wc)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(prof, f)
+    os.replace(tmp, path)
+    logger.info("watershed of %s: L_w = %s of %d layers, saved to %s", model_path,
+                prof["watershed"], prof["layers"], path)
+    return path
+
+
+def load(path: str) -> dict:
+    """The profile ``prepare`` wrote; ValueError names what is wrong."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("format") != _FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, expected {_FORMAT}")
+        if len(d["curve"]) != d["layers"] - 1:
+            raise ValueError(f"a curve of {len(d['curve'])} points for {d['layers']} layers")
+        return d
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"watershed profile {path!r} cannot be read: {exc}") from exc

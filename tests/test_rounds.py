@@ -1,0 +1,123 @@
+"""Round Attention's pieces without a server: the watershed on synthetic curves and on the
+default model, the round strategies on hand-worked vectors, rounds of a chat."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sgl_spec.cache.turn_format import derive
+from sgl_spec.rounds import conversations, select, watershed
+
+
+@pytest.mark.parametrize("curve, expected", [
+    # a drop to a floor: the first minimum under the bar (lo + 0.25 * range = 1.2)
+    ([5.0, 4.5, 3.0, 1.0, 0.5, 0.6, 0.4, 0.45], 5),
+    # a ripple high on the curve (index 2) is not significant
+    ([5.0, 4.0, 4.2, 2.0, 0.8, 0.3, 0.9, 0.2], 6),
+    # a low start (early layers agreeing with the later ones) is not the watershed
+    ([0.16, 0.15, 0.148, 0.43, 0.48, 0.51, 0.09, 0.14, 0.06, 0.07], 7),
+    # the floor reached at the last point
+    ([4.0, 3.0, 2.0, 1.0, 0.0], 5),
+    # rising: no minimum
+    ([0.1, 0.2, 0.3, 0.4], None),
+    # flat
+    ([1.0, 1.0, 1.0, 1.0], None),
+], ids=["drop", "early-ripple", "low-start", "last-point", "rising", "flat"])
+def test_the_watershed_is_the_first_significant_local_minimum(curve, expected):
+    assert watershed.find_watershed(curve) == expected
+
+
+def test_mean_kl_to_later_layers_equals_a_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(torch.randn(6, 9, generator=g) * 2, dim=1)
+    got = watershed.mean_kl_to_later(P)
+    q = (P.double() + watershed.EPS)
+    q = q / q.sum(1, keepdim=True)
+    ref = [sum(float((q[i] * (q[i] / q[j]).log()).sum()) for j in range(i + 1, 6)) / (5 - i)
+           for i in range(5)]
+    assert got.shape == (5,)
+    assert got.tolist() == pytest.approx(ref, rel=1e-5)
+    same = watershed.mean_kl_to_later(P[[0] * 4])
+    assert same.abs().max() < 1e-6  # identical layers: no divergence
+
+
+def test_round_mass_sums_each_span_and_normalises_over_them():
+    p = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2, 0.0])
+    m = watershed.round_mass(p, [(1, 3), (3, 5)])
+    assert m.tolist() == pytest.approx([0.2 / 0.5, 0.3 / 0.5])
+
+
+SHARE = torch.tensor([0.02, 0.30, 0.05, 0.03, 0.40, 0.04, 0.02, 0.06, 0.03, 0.05])
+
+
+@pytest.mark.parametrize("name, picked", [
+    ("topk", [4]),           # top 10% of 10 rounds: 1 (the 0.40)
+    ("fixed", [1, 4]),       # share > 0.1
+    ("adaptive", [4]),       # mean 0.1, std 0.128: > 0.483 picks none; the argmax is kept
+], ids=["topk", "fixed", "adaptive"])
+def test_each_strategy_on_a_hand_worked_vector(name, picked):
+    how = select.strategy(name)
+    assert select.select(SHARE, how, recent=0) == picked
+    # the last round before the question is kept as well
+    assert select.select(SHARE, how, recent=1) == sorted({*picked, 9})
+
+
+def test_topk_takes_a_tenth_rounded_up_and_adaptive_takes_outliers():
+    share = torch.full((25,), 0.5 / 24)
+    share[7] = 0.5
+    share = share / share.sum()
+    assert select.select(share, select.strategy("topk"), recent=0) == sorted(
+        torch.topk(share, math.ceil(2.5)).indices.tolist())
+    assert select.strategy("adaptive").pick(share).nonzero().flatten().tolist() == [7]
+
+
+def test_an_unknown_strategy_names_the_valid_ones():
+    with pytest.raises(ValueError, match="valid: topk, fixed, adaptive"):
+        select.strategy("best")
+    with pytest.raises(ValueError, match="non-empty"):
+        select.select(torch.tensor([]), select.strategy("topk"))
+
+
+def test_a_conversation_has_its_facts_in_their_rounds_and_asks_one(hf_tok):
+    conv = conversations.conversation(hf_tok, 6, (40, 80), seed=3, asked=2)
+    roles = [m["role"] for m in conv.messages]
+    assert roles == ["system"] + ["user", "assistant"] * 6 + ["user"]
+    for r, fact in enumerate(conv.facts):
+        assert f"The {fact.key} is {fact.value}." in conv.messages[1 + 2 * r]["content"]
+    assert conv.facts[1].key in conv.messages[-1]["content"] and conv.asked == 2
+    with pytest.raises(ValueError, match="asked must be a round in 1..6"):
+        conversations.conversation(hf_tok, 6, (40, 80), seed=3, asked=7)
+
+
+def test_round_spans_are_the_earlier_rounds_of_the_chat(hf_tok):
+    conv = conversations.conversation(hf_tok, 5, (40, 60), seed=1)
+    text = hf_tok.apply_chat_template(list(conv.messages), tokenize=False,
+                                      add_generation_prompt=True)
+    ids = hf_tok.encode(text, add_special_tokens=False)
+    spans = watershed.round_spans(ids, derive(hf_tok))
+    assert len(spans) == 5  # rounds 1..5; the system prompt and the question are not
+    for (a, b), fact in zip(spans, conv.facts, strict=True):
+        assert fact.value in hf_tok.decode(ids[a:b])
+    assert all(b0 <= a1 for (_, b0), (a1, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.slow
+def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path, tmp_path):
+    out = tmp_path / "ws.json"
+    run = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "watershed",
+                          "--model-path", model_path, "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    prof = json.loads(out.read_text())
+    assert prof["layers"] == 30 and len(prof["curve"]) == 29 and len(prof["curves"]) == 3
+    assert all(k >= 0 for k in prof["curve"])
+    assert prof["watershed"] == watershed.find_watershed(prof["curve"])
+    assert "mean KL to later layers" in run.stdout and run.stdout.strip().endswith(str(out))
+    assert (tmp_path / "ws.png").stat().st_size > 0
+    assert "watershed: conversations" in run.stderr  # the progress bar
