@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import xxhash
 
+from sgl_spec.tiers.free_list import FreeList
+
 from .codec import codec_class
 from .merge import MergeParams, merge, pair_retained, reconstruction_error
 from .select import Strategy
@@ -44,36 +46,6 @@ class Compressed:
     pairs_skipped: int = 0  # pairs left exact: merging them erred over params.max_error
 
 
-class _Stack:
-    """Free indices: pop a prefix, push at the end; a used mask catches double frees."""
-
-    def __init__(self, n: int):
-        self.free = torch.arange(n, dtype=torch.int64)
-        self.used = torch.zeros(n, dtype=torch.bool)
-        self.parts: list[torch.Tensor] = []
-        self.count = n
-
-    def pop(self, n: int) -> torch.Tensor | None:
-        if n > self.count:
-            return None
-        if n > len(self.free):
-            self.free = torch.cat([self.free, *self.parts])
-            self.parts = []
-        out, self.free = self.free[:n], self.free[n:]
-        self.used[out] = True
-        self.count -= n
-        return out
-
-    def push(self, idx: torch.Tensor) -> None:
-        if not idx.numel():
-            return
-        if not self.used[idx].all():
-            raise RuntimeError(f"double free of {idx[~self.used[idx]].tolist()[:8]}")
-        self.used[idx] = False
-        self.parts.append(idx.clone())
-        self.count += idx.numel()
-
-
 class Arena:
     """Rows: ``store`` (k, v [num_rows, H, D] in the codec's form); magnitudes
     [num_mags, 2 (K/V), H] in ``dtype``; maps [L, slots]."""
@@ -88,7 +60,7 @@ class Arena:
         self.mag = torch.empty(num_mags, 2, num_heads, dtype=dtype)
         self.map = torch.full((num_layers, num_slots), _FREE, dtype=torch.int64)
         self.mag_of = torch.full((num_layers, num_slots), -1, dtype=torch.int64)
-        self.slots, self.rows, self.mags = _Stack(num_slots), _Stack(num_rows), _Stack(num_mags)
+        self.slots, self.rows, self.mags = FreeList(num_slots), FreeList(num_rows), FreeList(num_mags)
         self.damaged = torch.zeros(num_slots, dtype=torch.bool)  # a storage page failed its sum
 
     @staticmethod
@@ -122,7 +94,7 @@ class Arena:
         self.map.fill_(_FREE)
         self.mag_of.fill_(-1)
         self.damaged.fill_(False)
-        self.slots, self.rows, self.mags = _Stack(S), _Stack(R), _Stack(M)
+        self.slots, self.rows, self.mags = FreeList(S), FreeList(R), FreeList(M)
 
     def available(self) -> int:
         """Tokens that can still be allocated at full size."""

@@ -1,0 +1,57 @@
+"""A round's upper-layer KV as one contiguous host block (Round Attention, Sec. 3.2:
+``u_m`` moves as one tensor, never per token).
+
+``store`` gathers a round's rows from the upper tier's buffers into one host tensor
+``[layers, 2, tokens, kv_heads, head_dim]`` (K then V, the pool's dtype); ``load`` copies a
+block back into given upper slots. On a GPU the block is pinned and the copies are issued
+on the caller's stream; on a CPU both are memory copies.
+
+Who owns what: a block owns its host tensor; the buffers belong to the pool. The caller
+assigns and releases the upper slots (``working_set.UpperSlots``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RoundBlock:
+    data: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim], pool dtype, host
+
+    @property
+    def tokens(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def store(k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor],
+          upper: torch.Tensor) -> RoundBlock:
+    """One block holding rows ``upper`` ([n] int64) of every upper layer's buffers
+    (``k_bufs[l]``, ``v_bufs[l]``: [slots, kv_heads, head_dim], one dtype and device)."""
+    k = torch.stack([b.index_select(0, upper) for b in k_bufs])  # [L, n, H, D]
+    v = torch.stack([b.index_select(0, upper) for b in v_bufs])
+    data = torch.stack([k, v], dim=1)                             # [L, 2, n, H, D]
+    if data.is_cuda:
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        host.copy_(data, non_blocking=True)
+        return RoundBlock(host)
+    return RoundBlock(data.contiguous())
+
+
+def load(block: RoundBlock, k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor],
+         upper: torch.Tensor) -> None:
+    """Copy ``block`` into rows ``upper`` ([tokens] int64) of every upper layer."""
+    if upper.numel() != block.tokens or len(k_bufs) != block.data.shape[0]:
+        raise ValueError(f"a block of {block.tokens} tokens x {block.data.shape[0]} layers "
+                         f"into {upper.numel()} slots x {len(k_bufs)} layers")
+    dev = block.data.to(k_bufs[0].device, non_blocking=True)  # one copy of the round
+    for layer, (kb, vb) in enumerate(zip(k_bufs, v_bufs, strict=True)):
+        kb.index_copy_(0, upper, dev[layer, 0])
+        vb.index_copy_(0, upper, dev[layer, 1])
