@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a lent CUDA machine that has torch and triton but not sglang
-# (no package index there): the Triton kernels and the CUDA-stream prefetch against
-# their torch references (pytest, marker gpu and the triton tests), then the kernel
+# (no package index there): the Triton kernels, the CUDA-stream prefetch and the tiered
+# pool's round blocks against their torch references (pytest, marker gpu and the triton tests), then the kernel
 # micro-benchmarks on the GPU, then Krul's restore calibration (recompute vs load, per
 # tier) for the models whose config.json is under $MODELS (default .gpu/models/<name>/:
 # the weights are not needed, the time of a forward does not depend on them), and
@@ -70,7 +70,7 @@ fi
 
 has tests && timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -rs \
   tests/test_sparse_decode_kernels.py tests/test_vslash_kernels.py tests/test_prefetch.py \
-  tests/test_specontext.py tests/test_krul_observe.py \
+  tests/test_specontext.py tests/test_krul_observe.py tests/test_tiers.py \
   -k "${TEST_K:-(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process}$SKIP" \
   2>&1 | tee "$OUT/pytest.log"
 has tests && echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"

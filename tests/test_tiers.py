@@ -151,3 +151,25 @@ def test_a_block_loads_back_into_other_slots_bit_for_bit():
         assert torch.equal(v[layer][10:13], v[layer][[3, 9, 4]])
     with pytest.raises(ValueError, match="a block of 3 tokens x 3 layers into 2 slots"):
         blocks.load(block, k, v, torch.tensor([1, 2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_block_is_pinned_and_round_trips_while_its_slots_are_reused():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = [torch.randn(4096, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+         for _ in range(13)]
+    v = [torch.randn(4096, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+         for _ in range(13)]
+    rows = torch.randperm(4096, device="cuda", generator=g)[:700]
+    want = [b[rows].cpu() for b in k]
+    block = blocks.store(k, v, rows)
+    for b in k:  # the next round writes into the freed slots, queued after the copy
+        b[rows] = 0
+    block.wait()
+    assert block.data.is_pinned() and block.data.device.type == "cpu"
+    assert all(torch.equal(block.data[i, 0], want[i]) for i in range(13))
+    other = torch.arange(100, 800, device="cuda")
+    blocks.load(block, k, v, other)
+    torch.cuda.synchronize()
+    assert all(torch.equal(k[i][other].cpu(), want[i]) for i in range(13))

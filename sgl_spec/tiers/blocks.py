@@ -3,8 +3,10 @@
 
 ``store`` gathers a round's rows from the upper tier's buffers into one host tensor
 ``[layers, 2, tokens, kv_heads, head_dim]`` (K then V, the pool's dtype); ``load`` copies a
-block back into given upper slots. On a GPU the block is pinned and the copies are issued
-on the caller's stream; on a CPU both are memory copies.
+block back into given upper slots. On a GPU the block is pinned and both copies are
+issued on the current stream without waiting: device work queued after ``store`` (a new
+round's writes into the freed slots) runs after the copy, and a host reader of the block
+calls ``wait()`` first. On a CPU both are memory copies.
 
 Who owns what: a block owns its host tensor; the buffers belong to the pool. The caller
 assigns and releases the upper slots (``working_set.UpperSlots``).
@@ -21,6 +23,12 @@ import torch
 @dataclass
 class RoundBlock:
     data: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim], pool dtype, host
+    ready: torch.cuda.Event | None = None  # recorded after the device-to-host copy
+
+    def wait(self) -> None:
+        """Block the host until ``data`` holds the stored rows (a no-op on a CPU)."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     @property
     def tokens(self) -> int:
@@ -41,7 +49,9 @@ def store(k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor],
     if data.is_cuda:
         host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
         host.copy_(data, non_blocking=True)
-        return RoundBlock(host)
+        ready = torch.cuda.Event()
+        ready.record()
+        return RoundBlock(host, ready)
     return RoundBlock(data.contiguous())
 
 
