@@ -111,7 +111,7 @@ class TieredPool(RuleBasedStateMachine):
 
 
 TestTieredPool = TieredPool.TestCase
-TestTieredPool.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestTieredPool.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
 def test_a_slot_is_owned_once_and_padding_translates_to_padding():
