@@ -121,3 +121,60 @@ def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path,
     assert "mean KL to later layers" in run.stdout and run.stdout.strip().endswith(str(out))
     assert (tmp_path / "ws.png").stat().st_size > 0
     assert "watershed: conversations" in run.stderr  # the progress bar
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_upper_layer_attention_over_a_working_set_equals_a_float64_dense_reference(impl, dtype):
+    """Two requests of one batch, each with its own kept rounds; the upper buffers hold only
+    their working sets, at upper slots the full pool's slots map to."""
+    from sgl_spec.kernels.sparse_decode import default_impl, sparse_decode
+    from sgl_spec.rounds import working_set
+    from sgl_spec.tiers.working_set import UpperSlots
+
+    g = torch.Generator().manual_seed(0)
+    full, upper_n, hkv, hq, d = 96, 56, 2, 6, 64  # the default model's head_dim and group
+    fk = torch.randn(full, hkv, d, generator=g).to(dtype)
+    fv = torch.randn(full, hkv, d, generator=g).to(dtype)
+    r2t = torch.randperm(full, generator=g)[:80].view(2, 40).to(torch.int32)
+    spans = [(0, 6), (6, 14), (14, 22), (22, 30)]  # round 0 and three earlier rounds
+    kept = [working_set.kept_positions(spans, [0, 2]), working_set.kept_positions(spans, [0, 1, 3])]
+    seq_lens, current = torch.tensor([40, 37]), torch.tensor([30, 30])
+    slots = UpperSlots(full, upper_n)
+    uk = torch.full((upper_n, hkv, d), float("nan")).to(dtype)  # unloaded rows: poison
+    uv = torch.full((upper_n, hkv, d), float("nan")).to(dtype)
+    for b in range(2):
+        pos = torch.cat([kept[b], torch.arange(int(current[b]), int(seq_lens[b]))])
+        fs = r2t[b, pos].long()
+        up = slots.assign(fs)
+        assert up is not None
+        uk[up], uv[up] = fk[fs], fv[fs]
+    sub = working_set.subsets(r2t, torch.tensor([0, 1]), seq_lens, kept, current, slots, hkv)
+    q = torch.randn(2, hq, d, generator=g).to(dtype)
+    if impl == "cpu" and default_impl(q, uk, uv) != "cpu":
+        pytest.skip("the C++ kernel is not built here")
+    got = sparse_decode(q, uk, uv, sub, scale=d ** -0.5, impl=impl).double()
+    for b in range(2):
+        pos = torch.cat([kept[b], torch.arange(int(current[b]), int(seq_lens[b]))])
+        k, v = fk[r2t[b, pos].long()].double(), fv[r2t[b, pos].long()].double()
+        for h in range(hq):
+            p = torch.softmax(q[b, h].double() @ k[:, h // 3].T * d ** -0.5, dim=-1)
+            ref = p @ v[:, h // 3]
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got[b, h], ref, atol=tol, rtol=tol), (b, h)
+
+
+def test_a_working_set_with_an_unloaded_round_is_refused():
+    from sgl_spec.rounds import working_set
+    from sgl_spec.tiers.working_set import UpperSlots
+
+    slots = UpperSlots(16, 8)
+    r2t = torch.arange(16, dtype=torch.int32).view(1, 16)
+    slots.assign(torch.arange(12, 16))  # the current round only
+    kept = [working_set.kept_positions([(0, 2), (2, 6)], [1])]
+    with pytest.raises(ValueError, match=r"positions \[2, 3, 4, 5\] have no upper slot"):
+        working_set.subsets(r2t, torch.tensor([0]), torch.tensor([16]), kept,
+                            torch.tensor([12]), slots, 1)
+    with pytest.raises(ValueError, match="is in its current round"):
+        working_set.subsets(r2t, torch.tensor([0]), torch.tensor([16]),
+                            [torch.tensor([13])], torch.tensor([12]), slots, 1)
