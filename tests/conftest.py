@@ -225,11 +225,27 @@ def _assert_invariants_held(server: ServerProcess) -> None:
     assert inv["checks"] > 0 and inv["violations"] == 0, inv
 
 
-def pytest_collection_modifyitems(items):
+# Node ids of the sglang-free modules' unit tests that the main run leaves to
+# test_no_sglang (which runs them in a process without sglang): run once, not twice.
+NO_SGLANG_RUN = "tests/test_no_sglang.py::test_their_unit_tests_pass_without_sglang"
+BLOCKED_ONLY: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
     """Unit tests first, then the tests that start servers, then those marked ``alone``
     (each group in its collected order): the shared servers boot during the first group,
     and the module-scoped ones have stopped before the last (ten float32 servers and
-    one more fill 24 GiB)."""
+    one more fill 24 GiB). Where test_no_sglang's run is selected, the tests it runs
+    without sglang are left out here (``BLOCKED_ONLY``)."""
+    if not os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") and any(
+            i.nodeid == NO_SGLANG_RUN for i in items):
+        from test_no_sglang import runs_without_sglang
+
+        moved = [i for i in items if runs_without_sglang(i)]
+        if moved:
+            BLOCKED_ONLY[:] = [i.nodeid for i in moved]
+            config.hook.pytest_deselected(items=moved)
+            items[:] = [i for i in items if not runs_without_sglang(i)]
     items.sort(key=lambda item: (item.get_closest_marker("server") is not None,
                                  item.get_closest_marker("alone") is not None))
 
