@@ -510,3 +510,19 @@ def test_an_interrupted_row_resumes_after_its_finished_conversations(convs, monk
     assert Journal(str(tmp_path), "row", "other", resume=True).done.turns == {}
     assert Journal(str(tmp_path), "row", "fp", resume=False).done.turns == {}
     assert path.read_text().splitlines() == ['{"fingerprint": "fp"}']
+
+
+def test_untracked_paths_are_listed_not_counted_as_dirty(monkeypatch):
+    """A run's own output folder in the repo is untracked at its start: listed, not
+    'dirty'; a change to a tracked file is."""
+    from sgl_spec.bench import provenance
+
+    answers = {("status", "--porcelain", "--untracked-files=no"): "",
+               ("ls-files", "--others", "--exclude-standard", "--directory"):
+                   "docs/results/data/run/\n",
+               ("rev-parse", "HEAD"): "abc"}
+    monkeypatch.setattr(provenance, "_git", lambda *a: answers[a])
+    assert provenance.git() == {"commit": "abc", "dirty": False,
+                                "untracked": ["docs/results/data/run/"]}
+    answers[("status", "--porcelain", "--untracked-files=no")] = " M sgl_spec/config.py"
+    assert provenance.git()["dirty"] is True

@@ -58,10 +58,15 @@ def machine() -> dict:
 
 
 def git() -> dict:
-    status = _git("status", "--porcelain")
+    """The commit; ``dirty``: whether tracked files differ from it; ``untracked``: paths
+    git does not track (a run's own output folder in the repo is one, so it does not
+    count as dirty; new source files would, and are listed)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--directory")
     return {
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(status) if status is not None else None,
+        "untracked": untracked.splitlines()[:20] if untracked else [],
     }
 
 
