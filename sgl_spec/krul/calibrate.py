@@ -12,14 +12,13 @@ target in transformers (float32) and kept in the cache dir, like the retrieval h
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-from sgl_spec import envs
+from sgl_spec import envs, jsonfile
 
 from .similarity import Similarity
 
@@ -90,23 +89,13 @@ def prepare(model_path: str, cc: CalibrationConfig = CalibrationConfig(),
     if os.path.exists(path) and not force:
         return path
     sim = measure(model_path, cc)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"format": _FORMAT, "model": os.path.abspath(model_path),
-                   "config": dataclasses.asdict(cc), "stats": sim.to_dict()}, f)
-    os.replace(tmp, path)
+    jsonfile.write_atomic(path, {"format": _FORMAT, "model": os.path.abspath(model_path),
+                                 "config": dataclasses.asdict(cc), "stats": sim.to_dict()})
     logger.info("krul: attention statistics of %s saved to %s", model_path, path)
     return path
 
 
 def load(path: str) -> Similarity:
     """The statistics ``prepare`` wrote; ValueError names what is wrong."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-        if d.get("format") != _FORMAT:
-            raise ValueError(f"format {d.get('format')!r}, expected {_FORMAT}")
-        return Similarity.from_dict(d["stats"])
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"Krul statistics {path!r} cannot be read: {exc}") from exc
+    return jsonfile.read_versioned(path, _FORMAT, "Krul statistics",
+                                   lambda d: Similarity.from_dict(d["stats"]))

@@ -22,14 +22,13 @@ which would make all layers look alike), as it keeps the current round.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
-from sgl_spec import envs
+from sgl_spec import envs, jsonfile
 
 logger = logging.getLogger(__name__)
 
@@ -182,25 +181,18 @@ def prepare(model_path: str, wc: WatershedConfig = WatershedConfig(), force: boo
     if os.path.exists(path) and not force:
         return path
     prof = measure(model_path, wc)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(prof, f)
-    os.replace(tmp, path)
+    jsonfile.write_atomic(path, prof)
     logger.info("watershed of %s: L_w = %s of %d layers, saved to %s", model_path,
                 prof["watershed"], prof["layers"], path)
     return path
 
 
+def _checked(d: dict) -> dict:
+    if len(d["curve"]) != d["layers"] - 1:
+        raise ValueError(f"a curve of {len(d['curve'])} points for {d['layers']} layers")
+    return d
+
+
 def load(path: str) -> dict:
     """The profile ``prepare`` wrote; ValueError names what is wrong."""
-    try:
-        with open(path) as f:
-            d = json.load(f)
-        if d.get("format") != _FORMAT:
-            raise ValueError(f"format {d.get('format')!r}, expected {_FORMAT}")
-        if len(d["curve"]) != d["layers"] - 1:
-            raise ValueError(f"a curve of {len(d['curve'])} points for {d['layers']} layers")
-        return d
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"watershed profile {path!r} cannot be read: {exc}") from exc
+    return jsonfile.read_versioned(path, _FORMAT, "watershed profile", _checked)
