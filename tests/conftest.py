@@ -232,11 +232,12 @@ BLOCKED_ONLY: list[str] = []
 
 
 def pytest_collection_modifyitems(config, items):
-    """Unit tests first, then the tests that start servers, then those marked ``alone``
-    (each group in its collected order): the shared servers boot during the first group,
-    and the module-scoped ones have stopped before the last (ten float32 servers and
-    one more fill 24 GiB). Where test_no_sglang's run is selected, the tests it runs
-    without sglang are left out here (``BLOCKED_ONLY``)."""
+    """Unit tests first, then the tests that start servers (``_by_server_boot``), then
+    those marked ``alone``: the shared servers boot during the first group, and the
+    module-scoped ones have stopped before the last (ten float32 servers and one more
+    fill 24 GiB). Where test_no_sglang's run is selected, the tests it runs without
+    sglang are left out here (``BLOCKED_ONLY``)."""
+    _by_server_boot(items)
     if not os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") and any(
             i.nodeid == NO_SGLANG_RUN for i in items):
         from test_no_sglang import runs_without_sglang
@@ -246,8 +247,32 @@ def pytest_collection_modifyitems(config, items):
             BLOCKED_ONLY[:] = [i.nodeid for i in moved]
             config.hook.pytest_deselected(items=moved)
             items[:] = [i for i in items if not runs_without_sglang(i)]
-    items.sort(key=lambda item: (item.get_closest_marker("server") is not None,
-                                 item.get_closest_marker("alone") is not None))
+
+
+def _launch_order() -> dict[str, int]:
+    """The shared servers in the order the launch thread boots them: HiCache ones first
+    (one at a time, each healthy before the next), those that prepare something last."""
+    names = sorted(EARLY_SERVERS, key=lambda n: (not EARLY_SERVERS[n].host_tier,
+                                                  EARLY_SERVERS[n].prepares))
+    return {name: i for i, name in enumerate(names)}
+
+
+def _by_server_boot(items) -> None:
+    """Sort in place: unit tests, then server-test modules in the order their shared
+    servers boot (a module by the last of them it uses, so it starts once they are all
+    up; modules with servers of their own after those), then ``alone``. A module's
+    tests stay together and in their order."""
+    order = _launch_order()
+    rank: dict[str, int] = {}
+    for item in items:
+        used = [order[n] for n in getattr(item, "fixturenames", ()) if n in order]
+        mod = item.nodeid.split("::")[0]
+        rank[mod] = max(rank.get(mod, -1), *used, -1)
+    last = len(order)
+    items.sort(key=lambda item: (
+        item.get_closest_marker("server") is not None,
+        item.get_closest_marker("alone") is not None,
+        r if (r := rank[item.nodeid.split("::")[0]]) >= 0 else last))
 
 
 def pytest_collection_finish(session):
@@ -263,8 +288,8 @@ def pytest_collection_finish(session):
     logs = session.config._tmp_path_factory.mktemp("logs")
     if not _base_dir:
         _base_dir.append(session.config._tmp_path_factory.mktemp("early"))
-    wanted.sort(key=lambda name: (not EARLY_SERVERS[name].host_tier,
-                                  EARLY_SERVERS[name].prepares))
+    order = _launch_order()
+    wanted.sort(key=order.__getitem__)
     for name in wanted:
         _launching[name] = threading.Event()
 
