@@ -48,47 +48,39 @@ def history(hf_tok) -> list[int]:
 
 
 def test_a_sparse_mode_without_a_profile_measures_once_and_decodes_where_it_pays(
-        model_path, history, tmp_path):
+        model_path, history, tmp_path, monkeypatch):
     env = {"SGLSPEC_CACHE_DIR": str(tmp_path / "cache")}  # no profile yet (the model: given)
-    flags = ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, "--spec-mode",
-             "loopserve", "--spec-budget", "1024"]
-    # the later starts boot while the one before decodes (2 cores: a boot is mostly one)
-    off = ServerProcess(SPEC, [*flags, "--spec-decode-profile", "off"], env=env)
-    again = ServerProcess(SPEC, flags, env=env)  # a second start reads the profile back
-    try:
-        t0 = time.monotonic()
-        with ServerProcess(SPEC, flags, env=env, timeout_s=600) as server:
-            started_s = time.monotonic() - t0
-            off.launch()
-            log = open(server.log_path).read()
-            assert "--spec-decode-profile auto: measuring" in log
-            assert re.search(r"decode steps: 100%", log)  # the progress bar
-            state = _state(server.url)
-            prof = step_cost.read_profile(
-                state["profile"] if state["profile"] != "auto" else
-                re.search(r"profile (\S+)\)", state["decision"]).group(1))
-            pays_at = prof["crossover"]
-            sparse, exact = _decode(server.url, history)
-            if pays_at is None or pays_at > HISTORY:  # sparse does not pay here at 7k
-                assert sparse == 0 and exact >= 23, (sparse, exact)
-                assert "decode exactly" in state["decision"] or "serving --spec-mode exact" \
-                    in state["decision"], state
-            else:
-                assert sparse >= 23 - 16, (sparse, exact)  # LoopServe: exact until step 16
-            assert state["min_context"] == (2048 if pays_at is None else max(2048, pays_at)) \
-                or state["mode"] == "exact"
-        # the measurement is what the first start added to a start (~20-40 s without it)
-        assert started_s < MEASURE_BUDGET_S + 120, started_s
-        again.launch()
-        with off:
-            off_state = _state(off.url)
-            assert off_state["mode"] == "loopserve" and off_state["min_context"] == 2048
-            assert off_state["decision"].startswith("--spec-decode-profile off")
-            sparse, _ = _decode(off.url, history)
-            assert sparse >= 23 - 16
-        with again:
-            assert "measuring" not in open(again.log_path).read()
-            assert _state(again.url)["decision"] == state["decision"]
-    finally:
-        off.stop()
-        again.stop()
+    flags = ["--spec-mode", "loopserve", "--spec-budget", "1024"]
+    t0 = time.monotonic()
+    with ServerProcess(SPEC, ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS,
+                              *flags], env=env, timeout_s=600) as server:
+        started_s = time.monotonic() - t0
+        log = open(server.log_path).read()
+        assert "--spec-decode-profile auto: measuring" in log
+        assert re.search(r"decode steps: 100%", log)  # the progress bar
+        state = _state(server.url)
+        prof = step_cost.read_profile(
+            state["profile"] if state["profile"] != "auto" else
+            re.search(r"profile (\S+)\)", state["decision"]).group(1))
+        pays_at = prof["crossover"]
+        sparse, exact = _decode(server.url, history)
+        if pays_at is None or pays_at > HISTORY:  # sparse does not pay here at 7k
+            assert sparse == 0 and exact >= 23, (sparse, exact)
+            assert "decode exactly" in state["decision"] or "serving --spec-mode exact" \
+                in state["decision"], state
+        else:
+            assert sparse >= 23 - 16, (sparse, exact)  # LoopServe: exact until step 16
+        assert state["min_context"] == (2048 if pays_at is None else max(2048, pays_at)) \
+            or state["mode"] == "exact"
+    # the measurement is what the first start added to a start (~20-40 s without it)
+    assert started_s < MEASURE_BUDGET_S + 120, started_s
+    # A second start reads the profile back, measuring nothing: the launcher's decision,
+    # in this process, on the profile the server wrote (``--spec-decode-profile off`` and
+    # the measuring itself: tests/test_decode_profile.py).
+    from sgl_spec.launch_server import split_argv, with_decode_profile
+
+    monkeypatch.setenv("SGLSPEC_CACHE_DIR", env["SGLSPEC_CACHE_DIR"])
+    monkeypatch.setattr(step_cost, "profile", lambda *a, **k: pytest.fail("measured again"))
+    cfg, _ = split_argv(flags)
+    again = with_decode_profile(cfg, ["--model-path", model_path, "--dtype", "float32"])
+    assert again.decode.decision == state["decision"]
