@@ -1,8 +1,8 @@
-"""sgl_spec's serving options (the ``--spec-*`` flags): one frozen config of four parts.
+"""sgl_spec's serving options (the ``--spec-*`` flags): one frozen config of five parts.
 
 ``SpecConfig`` composes ``CacheConfig`` (radix cache), ``DecodeConfig`` (decode
-attention), ``PrefillConfig`` (prefill attention) and ``KrulConfig`` (compressed host
-tier). Every default lives here, once,
+attention), ``PrefillConfig`` (prefill attention), ``KrulConfig`` (compressed host
+tier) and ``RoundConfig`` (Round Attention on the layer-tiered pool). Every default lives here, once,
 and is the served default; each field's flag, help and valid values live in ``FLAGS``,
 from which the launcher builds its argument group. The launcher validates the flags
 and hands the config to sglang's spawned processes as JSON (``SGLSPEC_CONFIG``).
@@ -38,13 +38,15 @@ DP_DISPATCH = ("cache_aware", "sglang")
 PROFILE_CHOICES = ("auto", "off")
 # Prefill attention: "exact" (dense) or LoopServe's online vertical/slash lines.
 PREFILL_MODES = ("exact", "loopserve")
+# Round Attention's selection of earlier rounds (sgl_spec.rounds.select's registry).
+ROUND_STRATEGIES = ("topk", "fixed", "adaptive")
 
 
 class Flag(NamedTuple):
     """One ``--spec-*`` flag: where its value goes and what it accepts."""
 
     name: str
-    section: str  # "cache", "decode", "prefill", "krul" or "" (SpecConfig itself)
+    section: str  # a part of SpecConfig (PARTS) or "" (SpecConfig itself)
     field: str
     kind: str  # "choice", "int", "fraction", "bool" or "path"
     help: str
@@ -191,6 +193,30 @@ FLAGS: tuple[Flag, ...] = (
          "profile's host tier balances (a pyramid, most at the first layer) unstored, and "
          "its restore recomputes them while the rest is loaded. Empty: every row is "
          "stored and loaded (share 0, what this CPU's calibration chooses)."),
+    Flag("--spec-rounds", "rounds", "enable", "bool",
+         "Round Attention on a layer-tiered KV pool (CPU): layers from the model's "
+         "watershed L_w up keep only a working set on the device (the system prompt's "
+         "round, the rounds each new question selects at L_w, the current round); every "
+         "finished round's upper-layer KV is one host block, referenced from its radix "
+         "node. Needs a calibrated watershed (python -m sgl_spec.calibrate watershed): "
+         "without one the server serves exact and says so (docs/design/round-attention.md)."),
+    Flag("--spec-round-strategy", "rounds", "strategy", "choice",
+         "Which earlier rounds a question attends past L_w, from its attention at L_w "
+         "(qAtt): 'topk' the top tenth, 'fixed' those over 0.1 of it, 'adaptive' those over "
+         "mean + 3 std; the most attended round and the last --spec-round-recent rounds "
+         "are always kept.", ROUND_STRATEGIES),
+    Flag("--spec-round-recent", "rounds", "recent", "int",
+         "Rounds just before a question kept whatever the strategy picks."),
+    Flag("--spec-round-min-rounds", "rounds", "min_rounds", "int",
+         "Conversations with fewer earlier rounds (the system prompt's not counted) "
+         "attend all of them: exact.", lo=1),
+    Flag("--spec-round-upper-tokens", "rounds", "upper_tokens", "int",
+         "Device slots of the upper layers (the working sets); 0: as many as the full "
+         "pool (--max-total-tokens), which saves no device memory. A request whose "
+         "working set does not fit is refused with an error naming this flag."),
+    Flag("--spec-round-watershed", "rounds", "watershed", "int",
+         "L_w (1-based; layers 1..L_w keep every token on the device); 0: the model's "
+         "calibrated profile."),
     Flag("--spec-check-invariants", "", "check_invariants", "bool",
          "Debug: after every scheduler step check that no KV slot is both free and held "
          "by the radix tree or a running request, and when the server goes idle that "
@@ -363,9 +389,36 @@ class KrulConfig:
                                  "drop it, or add --spec-krul")
 
 
+@dataclass(frozen=True)
+class RoundConfig:
+    """Round Attention (docs/design/round-attention.md). ``watershed`` 0 is resolved by
+    the launcher from the model's calibrated profile; ``decision`` says what it found
+    (not a flag)."""
+
+    enable: bool = False
+    strategy: str = "topk"
+    recent: int = 1
+    min_rounds: int = 4
+    upper_tokens: int = 0
+    watershed: int = 0
+    decision: str = ""
+
+    def __post_init__(self):
+        _check("rounds", self)
+        if not self.enable:
+            for flag, value, default in (("strategy", self.strategy, "topk"),
+                                         ("recent", self.recent, 1),
+                                         ("min-rounds", self.min_rounds, 4),
+                                         ("upper-tokens", self.upper_tokens, 0),
+                                         ("watershed", self.watershed, 0)):
+                if value != default:
+                    raise ValueError(f"--spec-round-{flag} is read only with --spec-rounds; "
+                                     "valid: drop it, or add --spec-rounds")
+
+
 # SpecConfig's parts: field name (and FLAGS section) -> its config class.
 PARTS: dict[str, type] = {"cache": CacheConfig, "decode": DecodeConfig,
-                          "prefill": PrefillConfig, "krul": KrulConfig}
+                          "prefill": PrefillConfig, "krul": KrulConfig, "rounds": RoundConfig}
 
 
 @dataclass(frozen=True)
@@ -378,9 +431,21 @@ class SpecConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     krul: KrulConfig = field(default_factory=KrulConfig)
+    rounds: RoundConfig = field(default_factory=RoundConfig)
 
     def __post_init__(self):
         _check("", self)
+        if self.rounds.enable:
+            clash = [name for name, on in (
+                ("--spec-disable", self.disable),
+                (f"--spec-mode {self.decode.mode}", self.decode.mode != "exact"),
+                (f"--spec-prefill {self.prefill.mode}", self.prefill.mode != "exact"),
+                ("--spec-krul", self.krul.enable)) if on]
+            if clash:
+                raise ValueError(f"--spec-rounds does not compose with {', '.join(clash)} yet "
+                                 "(its upper layers attend the working set, which those "
+                                 f"paths do not know); valid: drop {', '.join(clash)}, or "
+                                 "drop --spec-rounds")
         if self.disable and self.krul.enable:
             raise ValueError("--spec-krul needs sgl_spec's cache; valid: drop --spec-disable, "
                              "or drop --spec-krul")
@@ -395,6 +460,7 @@ class SpecConfig:
         return [name for name, on in (
             ("--spec-cache-eviction turn", self.cache.eviction == "turn"),
             ("--spec-krul", self.krul.enable),
+            ("--spec-rounds", self.rounds.enable),
             ("--spec-prefill loopserve (with reuse)",
              self.prefill.mode == "loopserve" and self.prefill.reuse)) if on]
 

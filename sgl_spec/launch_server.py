@@ -14,6 +14,8 @@ environment. Defaults that differ from stock sglang (only where not given):
   sglang asserts otherwise; see ``sgl_spec.integration.cpu.threads``);
 * ``--spec-krul``: the model's attention statistics, measured once into the cache dir
   (``python -m sgl_spec.calibrate strategy``);
+* ``--spec-rounds``: the model's watershed, measured once into the cache dir
+  (``python -m sgl_spec.calibrate watershed``);
 * ``--spec-mode specontext`` without ``--spec-draft-path``: the retrieval head trained
   for the model (``sgl_spec.train_head``), once, into the cache dir; on GPU hosts
   ``--disable-cuda-graph`` (the head runs in Python before each step).
@@ -273,6 +275,58 @@ def with_decode_profile(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool 
     return decide(dataclasses.replace(d, min_context=n, profile_path=path), text)
 
 
+def check_rounds(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> None:
+    """ValueError where ``--spec-rounds`` cannot work with sglang's flags or this host."""
+    if not cfg.rounds.enable:
+        return
+    for flag, why in (("--enable-hierarchical-cache", "HiCache's host pool copies every "
+                       "layer by full-pool slot"),
+                      ("--disable-radix-cache", "stored rounds ride the radix tree's nodes")):
+        if _given(argv, flag):
+            raise ValueError(f"--spec-rounds with {flag} is not supported ({why}); valid: "
+                             f"drop {flag}, or drop --spec-rounds")
+    if (_value(argv, "--page-size") or "1") != "1":
+        raise ValueError("--spec-rounds needs --page-size 1 (rounds end on any token); "
+                         "valid: --page-size 1")
+    if not cpu:
+        raise ValueError("--spec-rounds serves on CPU hosts only so far (the tiered pool "
+                         "and its attention are unverified on CUDA); valid: drop "
+                         "--spec-rounds")
+
+
+def with_watershed(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
+    """``cfg`` with round mode's watershed resolved: ``--spec-round-watershed``, or the
+    model's calibrated profile (measured once, progress bar, into the cache dir). A
+    profile with no significant minimum, or a watershed outside the model's layers,
+    serves exact and says why (``rounds.decision``)."""
+    r = cfg.rounds
+    if not r.enable:
+        return cfg
+    import dataclasses
+
+    model = _value(argv, "--model-path", "--model")
+    layers = (_model_config(argv) or {}).get("num_hidden_layers")
+    lw, source = r.watershed, "--spec-round-watershed"
+    if not lw:
+        from sgl_spec.rounds import watershed
+
+        if not os.path.exists(watershed.profile_path(model)):
+            logger.info("--spec-rounds: measuring the watershed of %s (once; python -m "
+                        "sgl_spec.calibrate watershed)", model)
+        path = watershed.prepare(model)
+        lw, source = watershed.load(path)["watershed"], f"profile {path}"
+    if lw is None or (layers is not None and not 1 <= lw < layers):
+        text = (f"--spec-rounds: no watershed for {model} ({source}: "
+                f"{'no significant minimum' if lw is None else f'L_w {lw} of {layers} layers'}"
+                "): serving exact")
+        logger.warning("%s", text)
+        return dataclasses.replace(cfg, rounds=spec_config.RoundConfig(decision=text))
+    text = (f"--spec-rounds: L_w {lw} of {layers or '?'} layers ({source}); strategy "
+            f"{r.strategy}")
+    logger.info("%s", text)
+    return dataclasses.replace(cfg, rounds=dataclasses.replace(r, watershed=lw, decision=text))
+
+
 def with_krul(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
     """``cfg`` with Krul's statistics path filled in: the served model's, measured once
     (progress bar) into the cache dir."""
@@ -356,7 +410,9 @@ def main(argv: list[str] | None = None) -> None:
         set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
     try:
         check_krul_profile(cfg, argv)
+        check_rounds(cfg, argv, cpu)
         cfg = with_decode_profile(cfg, argv, cpu=cpu)
+        cfg = with_watershed(cfg, argv)
     except ValueError as exc:
         _spec_parser().error(str(exc))
     cfg = with_krul(with_head(cfg, argv), argv)

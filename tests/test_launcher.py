@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from sgl_spec import config as spec_config
 from sgl_spec.config import CacheConfig, DecodeConfig, PrefillConfig, SpecConfig
 from sgl_spec.launch_server import CPU_MAX_TOTAL_TOKENS, split_argv, sglang_argv
 
@@ -408,11 +409,23 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err
         return
+    rounds = given_.get("--spec-rounds", False)
+    round_defaults = spec_config.RoundConfig()
+    if not rounds and any(given_.get(f.name, getattr(round_defaults, f.field))
+                          != getattr(round_defaults, f.field)
+                          for f in spec_config.FLAGS if f.section == "rounds"):
+        assert got == 2 and "is read only with --spec-rounds" in err
+        return
     if given_.get("--spec-disable") and given_.get("--spec-krul"):
         assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
         return
+    if rounds and (given_.get("--spec-disable") or given_.get("--spec-krul")
+                   or given_.get("--spec-mode", "exact") != "exact"
+                   or given_.get("--spec-prefill", "exact") != "exact"):
+        assert got == 2 and "--spec-rounds does not compose with" in err
+        return
     if given_.get("--spec-tree-core") == "compiled" and (
-            given_.get("--spec-cache-eviction") == "turn" or given_.get("--spec-krul") or (
+            rounds or given_.get("--spec-cache-eviction") == "turn" or given_.get("--spec-krul") or (
                 given_.get("--spec-prefill") == "loopserve"
                 and given_.get("--spec-prefill-reuse", True))):
         assert got == 2 and "--spec-tree-core compiled:" in err and "valid: auto or tagged" in err
@@ -434,3 +447,67 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
         with pytest.raises(ValueError, match="valid: ") as exc:
             check_krul(cfg, rest)
         assert problem in str(exc.value) and "--spec-krul" in str(exc.value)
+
+
+# ---- round mode (issue 44) -------------------------------------------------------------
+def test_round_mode_refuses_what_it_cannot_serve_naming_the_flag(capsys):
+    from sgl_spec.launch_server import check_rounds
+
+    cfg, _ = split_argv(["--spec-rounds"])
+    check_rounds(cfg, ["--max-total-tokens", "4096"], cpu=True)  # fine
+    for argv, needle in ((["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+                         (["--disable-radix-cache"], "--disable-radix-cache"),
+                         (["--page-size", "16"], "--page-size 1")):
+        with pytest.raises(ValueError, match=needle):
+            check_rounds(cfg, argv, cpu=True)
+    with pytest.raises(ValueError, match="CPU hosts only"):
+        check_rounds(cfg, [], cpu=False)
+    off, _ = split_argv([])
+    check_rounds(off, ["--enable-hierarchical-cache"], cpu=False)  # not asked: nothing
+    for bad in (["--spec-round-strategy", "best"], ["--spec-round-min-rounds", "0"],
+                ["--spec-round-strategy", "fixed"]):  # the last: without --spec-rounds
+        with pytest.raises(SystemExit) as exc:
+            split_argv(bad if bad[-1] == "fixed" else ["--spec-rounds", *bad])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "'best'" in err and "'adaptive'" in err and "is read only with --spec-rounds" in err
+    with pytest.raises(SystemExit):
+        split_argv(["--spec-rounds", "--spec-mode", "loopserve"])
+    assert "--spec-rounds does not compose with --spec-mode loopserve" in capsys.readouterr().err
+
+
+def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tmp_path,
+                                                                               monkeypatch):
+    import json
+
+    from sgl_spec import jsonfile
+    from sgl_spec.launch_server import with_watershed
+    from sgl_spec.rounds import watershed
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    argv = ["--model-path", str(model)]
+    measured = []
+
+    def fake_prepare(path, *a, **k):  # the calibration: once per model, into the cache dir
+        measured.append(path)
+        out = str(tmp_path / "ws.json")
+        jsonfile.write_atomic(out, {"format": 1, "layers": 30, "curve": [0.0] * 29,
+                                    "watershed": found})
+        return out
+
+    monkeypatch.setattr(watershed, "prepare", fake_prepare)
+    cfg, _ = split_argv(["--spec-rounds", "--spec-round-strategy", "fixed"])
+    found = 12
+    got = with_watershed(cfg, argv).rounds
+    assert (got.enable, got.watershed, got.strategy) == (True, 12, "fixed")
+    assert "L_w 12 of 30 layers" in got.decision and measured == [str(model)]
+    found = None  # a calibration that finds no significant minimum
+    got = with_watershed(cfg, argv).rounds
+    assert not got.enable and "no significant minimum" in got.decision \
+        and "serving exact" in got.decision
+    given, _ = split_argv(["--spec-rounds", "--spec-round-watershed", "40"])
+    got = with_watershed(given, argv).rounds  # outside the model's layers: exact, said
+    assert not got.enable and "L_w 40 of 30 layers" in got.decision
+    assert len(measured) == 2  # a given watershed measures nothing

@@ -114,6 +114,54 @@ TestTieredPool = TieredPool.TestCase
 TestTieredPool.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
+class SharedHolds(RuleBasedStateMachine):
+    """Requests holding full slots at the upper tier, some shared (a round two running
+    questions selected): a slot is mapped exactly while someone holds it, never twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots = UpperSlots(FULL, UPPER)
+        self.holds: list[list[int]] = []  # one list of full slots per running request
+
+    @rule(data=st.data(), n=st.integers(1, 8))
+    def acquire(self, data, n):
+        full = data.draw(st.lists(st.integers(0, FULL - 1), min_size=1, max_size=n,
+                                  unique=True))
+        before = self.slots.translate(torch.tensor(full)).clone()
+        got = self.slots.acquire(torch.tensor(full))
+        if got is None:
+            assert torch.equal(self.slots.translate(torch.tensor(full)), before)
+            return
+        upper, new = got
+        assert torch.equal(new, before < 0)
+        assert torch.equal(upper[~new], before[~new])  # shared: the same upper slot
+        self.holds.append(full)
+
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def drop(self, data):
+        full = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
+        still = {s for h in self.holds for s in h}
+        freed = self.slots.drop(torch.tensor(full))
+        assert freed == len([s for s in full if s not in still])
+
+    @invariant()
+    def held_exactly_while_someone_holds_it(self):
+        assert self.slots.check() == []
+        count: dict[int, int] = {}
+        for h in self.holds:
+            for s in h:
+                count[s] = count.get(s, 0) + 1
+        mapped = self.slots.translate(torch.arange(FULL))
+        assert sorted(torch.nonzero(mapped >= 0).flatten().tolist()) == sorted(count)
+        for s, c in count.items():
+            assert int(self.slots.refs[int(mapped[s])]) == c
+
+
+TestSharedHolds = SharedHolds.TestCase
+TestSharedHolds.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
 def test_a_slot_is_owned_once_and_padding_translates_to_padding():
     slots = UpperSlots(8, 4)
     up = slots.assign(torch.tensor([1, 5]))

@@ -20,7 +20,7 @@ __all__ = ["AttentionCore", "build_core"]
 
 def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
                enable_metrics: bool = False, head=None, pool_layers=None,
-               impl: str | None = None) -> AttentionCore:
+               impl: str | None = None, tiers=None) -> AttentionCore:
     """The attention path of ``cfg``: exact or sparse decode, exact or sparse prefill.
 
     The core's ``hub`` (a new ``RequestHub``) is what the radix cache shares with it: a
@@ -67,11 +67,22 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         observer = KrulObserver(shape.num_layers, device=device)
         hub.add_release_listener(observer.release)
         hub.add_live_source("krul_stats", lambda: observer.live_states)
-    logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s", cfg.decode.mode,
+    rounds = None
+    if cfg.rounds.enable and tiers is not None:
+        from sgl_spec.rounds.runtime import RoundRuntime
+
+        r = cfg.rounds
+        rounds = RoundRuntime(tiers, r.strategy, r.recent, r.min_rounds)
+        hub.add_release_listener(rounds.release)
+        hub.add_live_source("round_working_sets", lambda: rounds.live_states)
+        hub.add_live_source("round_upper_slots", lambda: rounds.tiers.slots.used())
+    logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s%s", cfg.decode.mode,
                 cfg.decode, cfg.prefill.mode, shape,
-                ", Krul's estimator observes each conversation" if observer else "")
+                ", Krul's estimator observes each conversation" if observer else "",
+                f", round mode from layer {tiers.first_layer + tiers.split}"
+                if rounds is not None else "")
     return AttentionCore(decoder, prefill, head if cfg.decode.retrieval_head else None,
-                         observer, hub)
+                         observer, hub, rounds)
 
 
 def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,

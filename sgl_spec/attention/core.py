@@ -9,7 +9,9 @@ prompts a policy scores (SnapKV). A retrieval head (SpeContext) is told every pa
 token layout before the layers (``begin_pass``: the model's layer hooks then feed it)
 and selects for the decoder's plan. Krul's estimator (``observe.KrulObserver``) plans
 which query rows a pass observes and folds their attention into the conversation's
-statistics after each layer. Round selections plug in here as a further part.
+statistics after each layer. Round mode (``sgl_spec.rounds.runtime.RoundRuntime``, on a
+layer-tiered pool) plans each pass's upper slots, selects rounds after the last lower
+layer of an extend, and attends the upper layers itself.
 """
 
 from __future__ import annotations
@@ -37,14 +39,17 @@ class AttentionPlan(NamedTuple):
     decode: DecodePlan | None = None
     extend: ExtendPlan | None = None
     observe: ObservePlan | None = None  # Krul's estimator: the rows this pass observes
+    rounds: object | None = None  # round mode's RoundPlan (the upper layers' working sets)
 
 
 class AttentionCore:
     """Not thread-safe: the scheduler thread that runs the forward pass owns it."""
 
     def __init__(self, decoder: Decoder, prefill: SparsePrefill | None = None, head=None,
-                 observer: KrulObserver | None = None, hub: RequestHub | None = None):
+                 observer: KrulObserver | None = None, hub: RequestHub | None = None,
+                 rounds=None):
         self.decoder = decoder
+        self.rounds = rounds  # sgl_spec.rounds.runtime.RoundRuntime or None
         self.prefill = prefill
         self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
         self.observer = observer
@@ -62,13 +67,16 @@ class AttentionCore:
         if self.head is not None:
             self.head.begin_pass(batch)
         observe = self.observer.plan(batch) if self.observer is not None else None
+        rounds = self.rounds.plan(batch) if self.rounds is not None else None
         if batch.mode == "decode":
-            return AttentionPlan(decode=self.decoder.plan(batch), observe=observe)
+            return AttentionPlan(decode=self.decoder.plan(batch), observe=observe,
+                                 rounds=rounds)
         if batch.mode != "extend":
             return AttentionPlan()
         turns = self.prefill.plan(batch) if self.prefill is not None else {}
         scored = {r.index: r for r in self.decoder.plan_extend(batch)}
-        return AttentionPlan(extend=ExtendPlan(spans(batch), turns, scored), observe=observe)
+        return AttentionPlan(extend=ExtendPlan(spans(batch), turns, scored), observe=observe,
+                             rounds=rounds)
 
     def run(
         self,
@@ -81,6 +89,8 @@ class AttentionCore:
         scale: float,
     ) -> torch.Tensor:
         """One layer of the pass the plan was made for (decode or extend)."""
+        if plan.rounds is not None and self.rounds.tiers.is_upper(layer):
+            return self._run_upper(plan, q, k_buf, v_buf, out, scale)
         if plan.decode is not None:
             out = self.decoder.run(plan.decode, layer, q, k_buf, v_buf, out, scale)
             if plan.observe is not None:
@@ -103,4 +113,18 @@ class AttentionCore:
         if plan.observe is not None:
             self.observer.run(plan.observe, layer, q, k_buf, scale,
                               lambda i: k_buf.index_select(0, ext.spans[i].slots))
+        if plan.rounds is not None and plan.rounds.select_idx and \
+                layer == self.rounds.select_layer:
+            self.rounds.select_rounds(plan.rounds, ext.spans, q, k_buf, scale)
+        return out
+
+    def _run_upper(self, plan: AttentionPlan, q, k_buf, v_buf, out, scale) -> torch.Tensor:
+        """An upper layer of a tiered pool (``k_buf``, ``v_buf``: its upper slots): every
+        request attends its working set (round mode)."""
+        if plan.decode is not None:
+            return self.rounds.decode_upper(plan.rounds, q, k_buf, v_buf, out, scale,
+                                            impl=self.decoder.impl)
+        for i, sp in enumerate(plan.extend.spans):
+            out[sp.q_start : sp.q_end] = self.rounds.extend_upper(
+                plan.rounds, i, sp, q[sp.q_start : sp.q_end], k_buf, v_buf, scale)
         return out

@@ -18,7 +18,7 @@ RULES = ("dead_reasoning", "inactive_conversation", "lru")
 
 class CacheMetrics:
     def __init__(self, interval: float = 5.0, krul: bool = False,
-                 sparse_from: int | None = None):
+                 sparse_from: int | None = None, rounds: bool = False):
         from prometheus_client import Counter, Gauge
 
         self.interval = interval
@@ -84,6 +84,31 @@ class CacheMetrics:
                 labelnames=("figure",),
                 multiprocess_mode="mostrecent",
             )
+
+        self.tiers = None
+        if rounds:
+            self.tiers = Gauge(
+                name="sgl_spec:kv_tier",
+                documentation="Round mode's layer-tiered KV pool: device bytes of the lower "
+                "and upper tiers (read from the buffers), host bytes of the stored round "
+                "blocks, upper slots in use and working sets, and the running totals of "
+                "selections and of the tokens they saw and kept.",
+                labelnames=("figure",),
+                multiprocess_mode="mostrecent",
+            )
+
+    TIER_FIGURES = ("host_bytes", "host_blocks", "upper_slots_used", "working_sets",
+                    "selections", "tokens_seen", "tokens_kept")
+
+    def update_tiers(self, totals: dict) -> None:
+        """Round mode's figures from ``RoundRuntime.totals`` (``GET /sgl_spec/cache`` ->
+        tiers)."""
+        if self.tiers is None:
+            return
+        for tier, n in totals["device_bytes"].items():
+            self.tiers.labels(figure=f"device_bytes_{tier}").set(n)
+        for figure in self.TIER_FIGURES:
+            self.tiers.labels(figure=figure).set(totals.get(figure, 0) or 0)
 
     def due(self, force: bool = False) -> bool:
         """Whether a refresh is due (and, if so, that one is happening now)."""

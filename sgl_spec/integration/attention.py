@@ -130,9 +130,15 @@ def create_backend(runner):
     # each layer's call is eager, which favours Triton over FlashInfer planned per layer
     # (docs/specontext.md, GPU). The decoder on CUDA is tested with both; serving on a
     # GPU is not verified.
+    tiers = getattr(runner.token_to_kv_pool, "tiers", None)  # tiered_pool.TieredMHAPool's
+    if cfg.rounds.enable and tiers is None:
+        logger.warning("--spec-rounds: the KV pool is not layer-tiered (%s): every layer "
+                       "keeps every token; serving exact", cfg.rounds.decision or
+                       type(runner.token_to_kv_pool).__name__)
     core = build_core(cfg, attn_shape(runner), runner.device,
                       enable_metrics=runner.server_args.enable_metrics, head=head,
-                      pool_layers=pool_layers, impl=CUDA_DECODE_IMPL if cuda else None)
+                      pool_layers=pool_layers, impl=CUDA_DECODE_IMPL if cuda else None,
+                      tiers=tiers)
     return SpecAttnBackend(runner, core)
 
 

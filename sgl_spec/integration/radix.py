@@ -56,6 +56,7 @@ TREE_CORE = "sgl_spec"
 BACKEND_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"  # sglang's choice of tree core
 LINES = "lines"  # the payload name of LoopServe's kept lines
 KRUL_STATS = "krul_stats"  # Krul: a conversation's attention statistics (Similarity)
+ROUNDS = "rounds"  # round mode: the stored rounds on the path (rounds.history.RoundHistory)
 
 
 def _tree_core_factory(params, components):
@@ -75,6 +76,7 @@ class CoreLinks(NamedTuple):
     sparse_kv_from: Callable[[str], int | None] | None = None
     observer: object | None = None  # Krul's estimator (attention.observe.KrulObserver)
     runner: object | None = None  # the model runner, whose layers Krul's pre-pass runs
+    rounds: object | None = None  # round mode (rounds.runtime.RoundRuntime)
 
     @classmethod
     def of(cls, runner) -> CoreLinks:
@@ -83,7 +85,7 @@ class CoreLinks(NamedTuple):
         core = getattr(getattr(runner, "attn_backend", None), "core", None)
         if core is None:
             return cls(RequestHub())
-        return cls(core.hub, core.sparse_kv_from, core.observer, runner)
+        return cls(core.hub, core.sparse_kv_from, core.observer, runner, core.rounds)
 
 
 class SpecRadixCache(UnifiedRadixCache):
@@ -110,7 +112,8 @@ class SpecRadixCache(UnifiedRadixCache):
         self.invariant_log = InvariantLog() if cfg.check_invariants else None
         d = cfg.decode
         self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable, sparse_from=None
-                                          if d.mode == "exact" else d.min_context)
+                                          if d.mode == "exact" else d.min_context,
+                                          rounds=self.links.rounds is not None)
                              if params.enable_metrics else None)
 
     def insert(self, params):
@@ -206,6 +209,7 @@ class SpecRadixCache(UnifiedRadixCache):
                          "profile": d.profile_path, "decision": d.decision,
                          "rows": self.hub.rows()}
         out["restore"] = self._restore()
+        out["pool"] = self._pool()
         if self.invariant_log is not None:
             out["invariants"] = self.invariant_log.as_dict()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):
@@ -215,6 +219,15 @@ class SpecRadixCache(UnifiedRadixCache):
 
     def _dead(self) -> dict[int, int] | None:
         return None
+
+    def _pool(self) -> dict | None:
+        """The device KV pool's slots and bytes, read from its buffers."""
+        alloc = self.token_to_kv_pool_allocator
+        pool = alloc.get_kvcache() if alloc is not None else None
+        if pool is None or not hasattr(pool, "get_kv_size_bytes"):
+            return None
+        k, v = pool.get_kv_size_bytes()
+        return {"slots": int(pool.size), "device_bytes": int(k) + int(v)}
 
 
 class TaggedRadixCache(SpecRadixCache):
@@ -245,6 +258,9 @@ class TaggedRadixCache(SpecRadixCache):
             self.krul = self.tree_core.krul = Compressor(self, cfg.krul, self.links.runner,
                                                          self.links.observer)
             self.tree_core.whole_node_payloads[KRUL] = self.krul.on_split
+        self.rounds = self.links.rounds
+        if self.rounds is not None:
+            self.tree_core.prefix_payloads.add(ROUNDS)
 
     def insert(self, params):
         result = UnifiedRadixCache.insert(self, params)
@@ -262,6 +278,8 @@ class TaggedRadixCache(SpecRadixCache):
 
     def match_prefix(self, params):
         result = super().match_prefix(params)
+        if self.rounds is not None and params.req is not None:
+            result = self._match_stored_rounds(params, result)
         if self.keep_lines and params.req is not None:
             hit = self.tree_core.deepest(result.last_device_node, LINES)
             self.hub.set_seeds(params.req.rid, None if hit is None else Lines(*hit))
@@ -273,7 +291,24 @@ class TaggedRadixCache(SpecRadixCache):
             obs.seed(params.req.rid, None if hit is None else hit[1])
         return result
 
+    def _match_stored_rounds(self, params, result):
+        """Round mode: a match reaches no further than the rounds stored on its path (the
+        upper layers of tokens past them are nowhere: they are computed again); the
+        request's attention path is seeded with those rounds."""
+        import dataclasses
+
+        hit = self.tree_core.deepest(result.last_device_node, ROUNDS)
+        end = 0 if hit is None else hit[0]
+        if end < result.device_prefix_len:
+            result = super().match_prefix(dataclasses.replace(params, key=params.key[:end]))
+        self.rounds.seed(params.req.rid, None if hit is None else hit[1].upto(end))
+        return result
+
     def _checkpointed(self, req, up_to: int) -> None:
+        if self.rounds is not None:
+            ids = req.full_untruncated_fill_ids
+            for end, hist in self.rounds.store(req.rid, ids, up_to, self.turn_format):
+                self.tree_core.attach(self._key(req, end), end, ROUNDS, hist)
         obs = self.links.observer
         sim = obs.stats(req.rid) if self.krul is not None and obs is not None else None
         if sim is not None:
@@ -328,11 +363,17 @@ class TaggedRadixCache(SpecRadixCache):
 
     def _update_metrics(self) -> None:
         super()._update_metrics()
+        if self.rounds is not None:
+            self.spec_metrics.update_tiers(self.rounds.totals())
         if self.krul is not None:
             self.spec_metrics.update_krul(self.krul.totals())
 
     def summary(self) -> dict:
         out = super().summary()
+        if self.rounds is not None:
+            out["tiers"] = self.rounds.totals()
+            if self.spec_metrics is not None:
+                self.spec_metrics.update_tiers(out["tiers"])
         if self.krul is not None:
             out["krul"] = self.krul.totals()
             if self.spec_metrics is not None:

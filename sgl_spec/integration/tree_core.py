@@ -17,7 +17,8 @@ evicted-token counts stay identical to the stock cache (tested side by side).
 Payloads: ``node.spec.payloads`` maps a name to ``(off, value)``: ``value`` belongs to
 the node's tokens ``[0, off)`` from the node's start (LoopServe's kept lines: those of
 an extend ending at the node's ``off``-th token). A split hands it to the upper part
-when ``off`` falls there; the payload leaves the tree with its node.
+when ``off`` falls there (and to both parts for ``prefix_payloads``, whose value serves
+any prefix: round mode's stored rounds); the payload leaves the tree with its node.
 
 The cache uses this core only where a feature reads tags (``SpecConfig.tagged_cache``);
 otherwise it runs sglang's compiled core.
@@ -91,6 +92,9 @@ class SpecTreeCore(UnifiedTreeCore):
         # Payloads recorded per whole node (not per token offset): a split drops them from
         # both parts and calls name -> fn(upper, lower, value) to make them again.
         self.whole_node_payloads: dict[str, object] = {}
+        # Payloads whose value serves any prefix of its tokens (round mode's stored
+        # rounds): a split inside their span leaves them on both parts.
+        self.prefix_payloads: set[str] = set()
         self.freed_by_rule = {r: 0 for r in RULES}
         # Write-back victims awaiting their demote: leaf id -> (rule, unit above it).
         self._write_back_units: dict[int, tuple[str, list[int]]] = {}
@@ -131,8 +135,9 @@ class SpecTreeCore(UnifiedTreeCore):
         payloads = child.spec.payloads
         if payloads:
             whole = self.whole_node_payloads
-            upper = {name: p for name, p in payloads.items()
-                     if p[0] <= split_len and name not in whole}
+            upper = {name: (min(p[0], split_len), p[1]) for name, p in payloads.items()
+                     if (p[0] <= split_len or name in self.prefix_payloads)
+                     and name not in whole}
             lower = {name: (off - split_len, v) for name, (off, v) in payloads.items()
                      if off > split_len and name not in whole}
             data.payloads, child.spec.payloads = upper or None, lower or None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # a block is itself: hashed and compared by identity
 class RoundBlock:
     data: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim], pool dtype, host
     ready: torch.cuda.Event | None = None  # recorded after the device-to-host copy
@@ -56,12 +56,19 @@ def store(k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor],
 
 
 def load(block: RoundBlock, k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor],
-         upper: torch.Tensor) -> None:
-    """Copy ``block`` into rows ``upper`` ([tokens] int64) of every upper layer."""
-    if upper.numel() != block.tokens or len(k_bufs) != block.data.shape[0]:
-        raise ValueError(f"a block of {block.tokens} tokens x {block.data.shape[0]} layers "
-                         f"into {upper.numel()} slots x {len(k_bufs)} layers")
+         upper: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Copy ``block`` (its token ``rows`` ([n] int64), all by default) into rows ``upper``
+    ([n] int64) of every upper layer: one copy of the block to the device, then one
+    indexed copy per layer."""
+    n = block.tokens if rows is None else rows.numel()
+    if upper.numel() != n or len(k_bufs) != block.data.shape[0]:
+        raise ValueError(f"{n} rows of a block of {block.tokens} tokens x "
+                         f"{block.data.shape[0]} layers into {upper.numel()} slots x "
+                         f"{len(k_bufs)} layers")
+    block.wait()
     dev = block.data.to(k_bufs[0].device, non_blocking=True)  # one copy of the round
+    if rows is not None:
+        dev = dev.index_select(2, rows.to(dev.device))
     for layer, (kb, vb) in enumerate(zip(k_bufs, v_bufs, strict=True)):
         kb.index_copy_(0, upper, dev[layer, 0])
         vb.index_copy_(0, upper, dev[layer, 1])

@@ -7,8 +7,13 @@ above it keep only the tokens some running request attends there (its *working s
 KV, or -1. The last entry of ``map`` is a sentinel for full slot -1 (padding in index
 tensors), so ``translate`` passes -1 through, as sglang's SWA pools do.
 
-Who owns what: this object owns the map and the upper free list; the KV buffers belong to
-the pool. Not thread-safe: the scheduler's thread calls it (the pool's owner locks).
+Several requests can attend the same token (a round two questions of one conversation
+selected, a forked prefix): ``acquire`` / ``drop`` count the holders of each upper slot and
+free it when the last one drops it; ``assign`` / ``release`` are the single-owner calls they
+build on.
+
+Who owns what: this object owns the map, the holder counts and the upper free list; the KV
+buffers belong to the pool. Not thread-safe: the scheduler's thread calls it (the pool's owner locks).
 CPU or device tensors for ``map`` (``device``); the free list stays on the CPU.
 """
 
@@ -26,6 +31,7 @@ class UpperSlots:
         self.full_size, self.size = full_size, size
         self.map = torch.full((full_size + 1,), -1, dtype=torch.int64, device=device)
         self.free_list = FreeList(size)
+        self.refs = torch.zeros(size, dtype=torch.int32)  # holders of each upper slot (CPU)
 
     def available(self) -> int:
         return self.free_list.count
@@ -49,9 +55,37 @@ class UpperSlots:
         upper = self.free_list.pop(full.numel())
         if upper is None:
             return None
+        self.refs[upper] = 1
         upper = upper.to(self.map.device)
         self.map[full] = upper
         return upper
+
+    def acquire(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One more holder of each of ``full`` ([n] int64, distinct): those not mapped get
+        upper slots. Returns (upper slots [n], [n] bool: newly mapped, whose rows the
+        caller fills), or None (nothing changed) when too few slots are free."""
+        if full.numel() != torch.unique(full).numel():
+            raise ValueError("acquire: repeated full slots")
+        new = ~self.mapped(full)
+        if int(new.sum()) > self.free_list.count:
+            return None
+        if bool(new.any()):
+            self.assign(full[new])
+            self.refs[self.map[full[new]].cpu()] = 0
+        upper = self.map[full]
+        self.refs[upper.cpu()] += 1
+        return upper, new
+
+    def drop(self, full: torch.Tensor) -> int:
+        """One holder fewer of each of ``full`` (mapped, distinct); slots nobody holds any
+        more are freed. Returns how many were freed."""
+        upper = self.map[full]
+        if bool((upper < 0).any()):
+            raise ValueError(f"drop: full slots not mapped: {full[upper < 0].tolist()[:8]}")
+        cpu = upper.cpu()
+        self.refs[cpu] -= 1
+        last = self.refs[cpu] <= 0
+        return self.release(full[last.to(full.device)]) if bool(last.any()) else 0
 
     def release(self, full: torch.Tensor) -> int:
         """Unmap those of ``full`` that are mapped and free their upper slots (finish,
@@ -60,6 +94,7 @@ class UpperSlots:
         held = upper >= 0
         if not bool(held.any()):
             return 0
+        self.refs[upper[held].cpu()] = 0
         self.free_list.push(upper[held].cpu())
         self.map[full[held]] = -1
         return int(held.sum())
@@ -80,6 +115,10 @@ class UpperSlots:
             out.append("a mapped upper slot is on the free list")
         if int(used.sum()) != live.numel():
             out.append(f"{int(used.sum()) - live.numel()} upper slots used but unmapped")
+        if live.numel() and not bool((self.refs[live] > 0).all()):
+            out.append("a mapped upper slot has no holder")
+        if bool((self.refs[~used] != 0).any()):
+            out.append("a free upper slot has holders")
         if int(self.map[-1]) != -1:
             out.append("the sentinel is mapped")
         return out

@@ -1,0 +1,423 @@
+"""Round Attention's benchmarks (issue 44): capacity under one device KV byte budget, speed
+at a long history, and recall over many rounds; rows stock, exact and round mode.
+
+Rows (one server each, the same model, dtype and chat traffic):
+
+* ``stock``: ``sglang.launch_server`` (torch_native attention);
+* ``exact``: sgl_spec exact mode on the turn-tagged tree core (round mode's core);
+* ``round-topk``, ``round-fixed``, ``round-adaptive``: ``--spec-rounds`` with that strategy
+  (``round``: ``round-topk``).
+
+Workloads (``--workload``):
+
+* ``capacity``: every row gets the same device KV byte budget, ``--budget-conversations``
+  conversations of ``--rounds-per-conversation`` rounds at every layer's bytes: stock and
+  exact get that many tokens; round mode splits the same bytes into a full pool for the
+  layers below L_w and an upper tier of ``--upper-share`` of its slots. ``--conversations``
+  chats are played round by round, interleaved, then all ask a question at once. Per row:
+  the pool's device bytes (read from it), the device KV bytes per conversation (its
+  tokens x the pool's bytes per token per tier; round mode's upper tier counts the kept
+  rounds and the question), the peak running and queued requests and the retractions
+  (sglang's metrics), the questions whose history was still cached, output tokens/s.
+* ``speed``: one conversation of at least ``--history`` tokens, then ``--questions``
+  questions about its rounds: TTFT and decode tokens/s of each (64 tokens, ignore_eos).
+* ``recall``: ``--conversations`` chats of 20-40 rounds (one fact each), then a question
+  about a fact of an early, a middle and a recent round each: exact match per position,
+  greedy agreement with the exact row, and the kept share k/T.
+
+    python -m sgl_spec.bench.rounds --workload capacity --out DIR
+    python -m sgl_spec.bench.rounds --workload speed --rows exact round --rounds 3 --out DIR
+    python -m sgl_spec.bench.rounds --workload recall --quick --out DIR
+
+Every row reads L_w from ``--watershed`` or the model's calibrated profile
+(``python -m sgl_spec.calibrate watershed``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+from tqdm import tqdm
+
+from sgl_spec.bench import cli, configset, round_play, timing
+from sgl_spec.bench.scoring import exact_match
+from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
+from sgl_spec.rounds.conversations import conversation
+
+ROWS = ("stock", "exact", "round-topk", "round-fixed", "round-adaptive")
+WORKLOADS = ("capacity", "speed", "recall")
+DEFAULT_ROWS = {"capacity": ["stock", "exact", "round-topk"],
+                "speed": ["stock", "exact", "round-topk"],
+                "recall": ["exact", "round-topk", "round-fixed", "round-adaptive"]}
+POSITIONS = ("early", "middle", "recent")
+QUESTION_TOKENS = 32
+
+
+def row_name(row: str) -> str:
+    return "round-topk" if row == "round" else row
+
+
+def row_server(row: str, model: str, budget_tokens: int, watershed: int, layers: int,
+               upper_share: float, extra: list[str], log_path: str) -> ServerProcess:
+    """The row's server: ``budget_tokens`` tokens of every layer's KV bytes, split into
+    tiers for round mode (the same bytes)."""
+    common = ["--model-path", model, "--enable-cache-report", "--enable-metrics", *extra]
+    if row == "stock":
+        return ServerProcess(STOCK, [*common, *configset.LAUNCHERS["stock"].flags,
+                                     "--max-total-tokens", str(budget_tokens)],
+                             log_path=log_path)
+    if row == "exact":
+        return ServerProcess(SPEC, [*common, "--spec-tree-core", "tagged",
+                                    "--max-total-tokens", str(budget_tokens)], log_path=log_path)
+    full, upper = tier_sizes(budget_tokens, watershed, layers, upper_share)
+    return ServerProcess(SPEC, [*common, "--spec-rounds", "--spec-round-watershed",
+                                str(watershed), "--spec-round-strategy", row.split("-", 1)[1],
+                                "--max-total-tokens", str(full),
+                                "--spec-round-upper-tokens", str(upper)], log_path=log_path)
+
+
+def tier_sizes(budget_tokens: int, watershed: int, layers: int, share: float
+               ) -> tuple[int, int]:
+    """(full slots, upper slots) whose bytes equal ``budget_tokens`` at every layer, the
+    upper tier holding ``share`` of the full pool's slots."""
+    full = int(budget_tokens * layers / (watershed + share * (layers - watershed)))
+    return full, max(1, int(share * full))
+
+
+def _cache(url: str) -> dict:
+    return requests.get(url + "/sgl_spec/cache", timeout=60).json()
+
+
+def _pool(url: str, row: str) -> dict | None:
+    """The device pool as the server reads it (None for stock: no endpoint)."""
+    if row == "stock":
+        return None
+    st = _cache(url)
+    return {"pool": st.get("pool"), "tiers": st.get("tiers")}
+
+
+def per_conversation_bytes(row_pool: dict | None, history: float, kept: float,
+                           current: float) -> float | None:
+    """Device KV bytes one conversation takes while its question runs: every token at
+    every layer (exact), or every token below L_w and the working set above (round);
+    bytes per token read from the pool's buffers."""
+    if row_pool is None or row_pool.get("pool") is None:
+        return None
+    tiers = row_pool.get("tiers")
+    if tiers is None:
+        pool = row_pool["pool"]
+        return (history + current) * pool["device_bytes"] / (pool["slots"] + 1)
+    tb = tiers["token_bytes"]
+    return (history + current) * tb["lower"] + (kept + current) * tb["upper"]
+
+
+# ---- workloads -------------------------------------------------------------------------
+def play_capacity(server: ServerProcess, row: str, convs, bar) -> dict:
+    url = server.url
+    for r in range(1, max(c.rounds for c in convs) + 1):  # interleaved, as live chats
+        for c in convs:
+            if r <= c.rounds:
+                msgs = list(c.messages)[: 2 * r]
+                requests.post(url + "/v1/chat/completions", json={
+                    "model": "m", "messages": msgs, "max_tokens": 1, "temperature": 0},
+                    timeout=900).raise_for_status()
+                bar.update()
+    before = _cache(url).get("tiers") if row != "stock" else None
+    with round_play.Watch(url) as watch, ThreadPoolExecutor(len(convs)) as pool:
+        t0 = timing.Stopwatch()
+        replies = list(pool.map(lambda c: round_play.ask(url, list(c.messages),
+                                                         QUESTION_TOKENS, ignore_eos=True),
+                                convs))
+        wall = t0.elapsed()
+    bar.update(len(convs))
+    after = _cache(url).get("tiers") if row != "stock" else None
+    hist = [r.prompt_tokens for r in replies]
+    kept_share = None
+    if before is not None and after is not None:
+        seen = after["tokens_seen"] - before["tokens_seen"]
+        kept_share = (after["tokens_kept"] - before["tokens_kept"]) / seen if seen else None
+    pool_info = _pool(url, row)
+    mean_hist = statistics.mean(hist)
+    kept = mean_hist * (kept_share if kept_share is not None else 1.0)
+    return {
+        "conversations": len(convs), "peak_running": watch.peak_running,
+        "peak_queued": watch.peak_queued, "retracted": watch.retracted,
+        "history_cached": sum(r.cached_tokens >= 0.9 * r.prompt_tokens for r in replies),
+        "output_tok_s": sum(r.completion_tokens for r in replies) / wall, "wall_s": wall,
+        "ttft_s": [r.ttft_s for r in replies], "prompt_tokens": hist,
+        "kept_share": kept_share, "pool": pool_info,
+        "bytes_per_conversation": per_conversation_bytes(pool_info, mean_hist, kept,
+                                                         QUESTION_TOKENS),
+    }
+
+
+def play_speed(server: ServerProcess, row: str, conv, questions, bar) -> dict:
+    round_play.history(server.url, conv)
+    bar.update(conv.rounds)
+    out = []
+    for msgs in questions:
+        r = round_play.ask(server.url, msgs, 64, ignore_eos=True)
+        out.append({"ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
+                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
+        bar.update()
+    tiers = _cache(server.url).get("tiers") if row != "stock" else None
+    return {"questions": out, "kept_share": tiers and tiers["kept_share"]}
+
+
+def play_recall(server: ServerProcess, row: str, convs, bar) -> dict:
+    out = []
+    for conv, asks in convs:
+        round_play.history(server.url, conv)
+        bar.update(conv.rounds)
+        for pos, msgs, gold in asks:
+            r = round_play.ask(server.url, msgs, QUESTION_TOKENS)
+            out.append({"position": pos, "text": r.text, "gold": gold,
+                        "em": exact_match(r.text, gold)})
+            bar.update()
+    tiers = _cache(server.url).get("tiers") if row != "stock" else None
+    return {"answers": out, "kept_share": tiers and tiers["kept_share"]}
+
+
+def recall_set(tok, n: int, rounds: tuple[int, int], round_tokens: tuple[int, int],
+               seed: int):
+    """``n`` conversations of ``rounds`` (lo, hi) rounds, each with a question about an
+    early, a middle and a recent round's fact: [(conv, [(position, messages, gold)])]."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        conv = conversation(tok, rng.randint(*rounds), round_tokens, seed=seed * 7919 + i)
+        k = conv.rounds
+        picks = {"early": rng.randint(1, max(1, k // 5)),
+                 "middle": rng.randint(2 * k // 5 + 1, 3 * k // 5),
+                 "recent": rng.randint(k - 1, k)}
+        asks = []
+        for pos in POSITIONS:
+            fact = conv.facts[picks[pos] - 1]
+            msgs = [*conv.messages[:-1], {"role": "user", "content":
+                                          f"What is the {fact.key}? Answer with the number."}]
+            asks.append((pos, msgs, fact.value))
+        out.append((conv, asks))
+    return out
+
+
+# ---- summary ---------------------------------------------------------------------------
+def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
+    out = {}
+    ref = played.get("exact")
+    for row, runs in played.items():
+        if workload == "capacity":
+            r = runs[0]
+            out[row] = {k: r[k] for k in ("peak_running", "peak_queued", "retracted",
+                                          "history_cached", "output_tok_s",
+                                          "bytes_per_conversation", "kept_share")}
+            out[row]["output_tok_s_rounds"] = timing.spread(x["output_tok_s"] for x in runs)
+            if r["kept_share"] is not None:
+                out[row]["eq2_share"] = watershed / layers + r["kept_share"] * (
+                    1 - watershed / layers)
+        elif workload == "speed":
+            qs = [q for run in runs for q in run["questions"]]
+            out[row] = {"ttft_s": timing.spread(q["ttft_s"] for q in qs),
+                        "decode_tok_s": timing.spread(q["decode_tok_s"] for q in qs),
+                        "history_tokens": min(q["prompt_tokens"] for q in qs),
+                        "kept_share": runs[0]["kept_share"]}
+        else:
+            ans = runs[0]["answers"]
+            em = {p: 100 * statistics.mean(a["em"] for a in ans if a["position"] == p)
+                  for p in POSITIONS}
+            agree = None
+            if ref is not None:
+                agree = sum(a["text"] == b["text"] for a, b in
+                            zip(ans, ref[0]["answers"], strict=True)) / len(ans)
+            out[row] = {"em": em, "greedy_agreement": agree, "n": len(ans),
+                        "kept_share": runs[0]["kept_share"]}
+    base = out.get("exact")
+    for row, s in out.items():
+        if base is None or row == "exact":
+            continue
+        if workload == "capacity":
+            s["running_vs_exact"] = s["peak_running"] / max(1, base["peak_running"])
+            s["tok_s_vs_exact"] = s["output_tok_s"] / base["output_tok_s"]
+            if s["bytes_per_conversation"] and base["bytes_per_conversation"]:
+                s["bytes_vs_exact"] = s["bytes_per_conversation"] / base["bytes_per_conversation"]
+        elif workload == "speed":
+            s["decode_vs_exact"] = timing.ratio_spread(
+                [q["decode_tok_s"] for run in played[row] for q in run["questions"]],
+                [q["decode_tok_s"] for run in played["exact"] for q in run["questions"]])
+            s["ttft_vs_exact"] = timing.ratio_spread(
+                [q["ttft_s"] for run in played[row] for q in run["questions"]],
+                [q["ttft_s"] for run in played["exact"] for q in run["questions"]])
+        else:
+            s["em_vs_exact"] = {p: s["em"][p] - base["em"][p] for p in POSITIONS}
+    return out
+
+
+def _fmt(x, spec=".2f") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, (list, tuple)) and len(x) == 3:
+        return f"{x[1]:{spec}} ({x[0]:{spec}}-{x[2]:{spec}})"
+    if isinstance(x, dict):
+        return " / ".join(f"{_fmt(v, '+.1f' if spec == 'd' else '.1f')}" for v in x.values())
+    return f"{x:{spec}}"
+
+
+def markdown(res: dict) -> str:
+    w, s = res["workload"], res["summary"]
+    lines = [f"# Round Attention: {w}", "",
+             f"Model {res['config']['model']}, L_w {res['config']['watershed']} of "
+             f"{res['config']['layers']}, rows {', '.join(s)}; git {res['meta'].get('git')}.",
+             ""]
+    if w == "capacity":
+        c = res["config"]
+        lines += [f"Budget: {c['budget_tokens']} tokens at every layer; {c['conversations']} "
+                  f"conversations of {c['rounds_per_conversation']} rounds asked at once "
+                  f"(upper tier {c['upper_share']} of round mode's full pool).", "",
+                  "| row | peak running | peak queued | retracted | histories cached | "
+                  "output tok/s | KV bytes / conv | vs exact | Eq. 2 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row, r in s.items():
+            lines.append(
+                f"| {row} | {r['peak_running']} | {r['peak_queued']} | {r['retracted']} | "
+                f"{r['history_cached']} | {_fmt(r['output_tok_s_rounds'])} | "
+                f"{_fmt(r['bytes_per_conversation'], ',.0f')} | "
+                f"{_fmt(r.get('bytes_vs_exact'), '.3f')} | {_fmt(r.get('eq2_share'), '.3f')} |")
+    elif w == "speed":
+        lines += ["| row | history | TTFT s | decode tok/s | TTFT vs exact | decode vs exact "
+                  "| kept k/T |", "|---|---|---|---|---|---|---|"]
+        for row, r in s.items():
+            lines.append(f"| {row} | {r['history_tokens']} | {_fmt(r['ttft_s'])} | "
+                         f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('ttft_vs_exact'))} | "
+                         f"{_fmt(r.get('decode_vs_exact'))} | {_fmt(r['kept_share'], '.3f')} |")
+    else:
+        lines += ["| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
+                  "|---|---|---|---|---|"]
+        for row, r in s.items():
+            lines.append(f"| {row} | {_fmt(r['em'])} | {_fmt(r.get('em_vs_exact'), 'd')} | "
+                         f"{_fmt(r['greedy_agreement'])} | {_fmt(r['kept_share'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.setup_logging()
+    ap = cli.parser("python -m sgl_spec.bench.rounds", __doc__)
+    cli.add_common(ap, quick="a few small conversations (minutes)", rounds=cli.ROUNDS_HELP,
+                   rounds_default=1)
+    ap.add_argument("--workload", choices=WORKLOADS, required=True)
+    ap.add_argument("--rows", nargs="+", default=None, metavar="ROW",
+                    choices=[*ROWS, "round"], help=f"rows, in order (valid: {', '.join(ROWS)}, "
+                    "round = round-topk; default per workload)")
+    ap.add_argument("--watershed", type=int, default=0, metavar="L_W",
+                    help="L_w (default: the model's calibrated profile)")
+    ap.add_argument("--conversations", type=int, default=None, metavar="N")
+    ap.add_argument("--budget-conversations", type=float, default=5.0, metavar="C",
+                    help="capacity: the device KV budget, in conversations (default 5)")
+    ap.add_argument("--rounds-per-conversation", type=int, default=20, metavar="R")
+    ap.add_argument("--upper-share", type=float, default=0.3, metavar="F",
+                    help="capacity: round mode's upper tier, a share of its full pool")
+    ap.add_argument("--history", type=int, default=6000, metavar="T",
+                    help="speed: tokens of the conversation's history (default 6000)")
+    ap.add_argument("--questions", type=int, default=4, metavar="Q")
+    ap.add_argument("--round-tokens", type=int, nargs=2, default=(60, 120), metavar=("LO", "HI"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-flags", default="", metavar="'FLAGS'",
+                    help="flags appended to every row's server, one string")
+    args = ap.parse_args(argv)
+    rows = [row_name(r) for r in (args.rows or DEFAULT_ROWS[args.workload])]
+    rows = list(dict.fromkeys(rows))
+    if args.workload != "capacity" and "exact" not in rows:
+        ap.error("--rows needs exact: every ratio is against it")
+    for flag in ("rounds", "questions", "rounds_per_conversation"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 < args.upper_share <= 1:
+        ap.error("--upper-share must be in (0, 1]")
+    model = cli.model_path(ap, args.model_path)
+    import json
+    import shlex
+
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(model, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    lw = args.watershed
+    if not lw:
+        from sgl_spec.rounds import watershed
+
+        lw = watershed.load(watershed.prepare(model))["watershed"]
+        if lw is None:
+            ap.error(f"the calibration of {model} found no watershed; pass --watershed")
+    tok = AutoTokenizer.from_pretrained(model)
+    extra = shlex.split(args.server_flags)
+    q = args.quick
+    cfg = {"model": model, "layers": layers, "watershed": lw, "rows": rows, "seed": args.seed,
+           "server_flags": extra, "round_tokens": list(args.round_tokens)}
+    if args.workload == "capacity":
+        n = args.conversations or (4 if q else 8)
+        budget_convs = 2.5 if q else args.budget_conversations
+        rounds = 8 if q else args.rounds_per_conversation
+        convs = [conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed * 997 + i)
+                 for i in range(n)]
+        conv_tokens = max(len(tok.apply_chat_template(list(c.messages), tokenize=True,
+                                                      add_generation_prompt=True)) for c in convs)
+        budget = int(budget_convs * (conv_tokens + QUESTION_TOKENS))
+        cfg.update(conversations=n, budget_conversations=budget_convs,
+                   rounds_per_conversation=rounds, budget_tokens=budget,
+                   conversation_tokens=conv_tokens, upper_share=args.upper_share,
+                   tiers=tier_sizes(budget, lw, layers, args.upper_share))
+        total = len(rows) * args.rounds * n * (rounds + 1)
+        work = lambda server, row, bar: play_capacity(server, row, convs, bar)  # noqa: E731
+    elif args.workload == "speed":
+        history = 1500 if q else args.history
+        per_round = sum(args.round_tokens) / 2 + 24
+        rounds = max(4, math.ceil(history / per_round))
+        conv = conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed)
+        nq = 2 if q else args.questions
+        rng = random.Random(args.seed)
+        questions = []
+        for i in rng.sample(range(rounds), min(nq, rounds)):
+            fact = conv.facts[i]
+            questions.append([*conv.messages[:-1], {"role": "user", "content":
+                              f"What is the {fact.key}? Answer with the number."}])
+        cfg.update(history_rounds=rounds, questions=len(questions),
+                   history_tokens=len(tok.apply_chat_template(list(conv.messages),
+                                                              tokenize=True)))
+        budget = int(cfg["history_tokens"] * 1.5) + 2048
+        total = len(rows) * args.rounds * (rounds + len(questions))
+        work = lambda server, row, bar: play_speed(server, row, conv, questions, bar)  # noqa
+    else:
+        n = args.conversations or (3 if q else 18)
+        rr = (20, 24) if q else (20, 40)
+        convs = recall_set(tok, n, rr, tuple(args.round_tokens), args.seed)
+        longest = max(len(tok.apply_chat_template(list(c.messages), tokenize=True))
+                      for c, _ in convs)
+        cfg.update(conversations=n, rounds_range=list(rr), longest_history=longest)
+        budget = int(longest * 2) + 2048
+        total = len(rows) * args.rounds * sum(c.rounds + len(a) for c, a in convs)
+        work = lambda server, row, bar: play_recall(server, row, convs, bar)  # noqa: E731
+    meta, watch = cli.start_meta(model, rounds=args.rounds, workload=args.workload)
+    os.makedirs(args.out, exist_ok=True)
+    share = args.upper_share if args.workload == "capacity" else 1.0
+    bar = tqdm(total=total, desc=f"rounds {args.workload}", unit="req")
+
+    def run(row: str, i: int) -> dict:
+        bar.set_description(f"rounds {args.workload}: {row}")
+        log = os.path.join(args.out, f"server-{row}-{i}.log")
+        with row_server(row, model, budget, lw, layers, share, extra, log) as server:
+            return work(server, row, bar)
+
+    played = timing.interleaved(rows, args.rounds, run)
+    bar.close()
+    res = {"meta": cli.finish_meta(meta, watch), "workload": args.workload, "config": cfg,
+           "summary": summarize(args.workload, played, layers, lw), "played": played}
+    md = markdown(res)
+    cli.write_results(args.out, res, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

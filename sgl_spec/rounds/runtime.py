@@ -1,0 +1,328 @@
+"""Round mode on the attention path (Round Attention, Algorithm 1), free of sglang.
+
+Per request, from the radix cache: the rounds stored on its matched path (``seed``:
+a ``RoundHistory``; the cache matches no further than they reach). Per forward pass:
+
+* ``plan``: every token the pass computes gets an upper slot (its upper-layer KV is
+  written there); a decode pass builds the upper layers' subsets (``working_set.subsets``);
+* at the last lower layer (L_w, 1-based), a request's first extend scores the stored
+  rounds with its question's attention there (qAtt, Eq. 1: the softmax mass of the
+  question's last ``SCORE_QUERIES`` tokens on each round's keys, summed over heads),
+  selects with the configured strategy (``select``), keeps round 0 (the system prompt)
+  and loads the kept rounds' blocks into upper slots, one block copy per round
+  (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
+  them (exact);
+* at the upper layers, extends and decodes attend the kept rounds and the request's own
+  tokens (``extend_upper``, ``decode_upper``).
+
+At a checkpoint the cache ``store``s the request's own tokens as blocks, one per round
+(turn tags), and keeps the longer history on the nodes where each round ends. ``release``
+(finish, abort, retraction) drops every upper slot the request holds. Not thread-safe:
+the scheduler thread makes every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_spec.attention.batch import BatchView
+from sgl_spec.attention.extend import exact_extend
+from sgl_spec.kernels.sparse_decode import sparse_decode
+from sgl_spec.tiers import blocks
+from sgl_spec.tiers.pool import Tiers
+
+from .history import RoundHistory, StoredRound
+from .select import select, strategy
+from .working_set import kept_positions, subsets
+
+logger = logging.getLogger(__name__)
+
+SCORE_QUERIES = 64  # the question's last tokens whose attention at L_w scores the rounds
+SEED_TTL = 8  # forward passes an unread seed is kept (a request aborted in the queue)
+MAX_SEEDS = 4096
+
+
+class CapacityError(RuntimeError):
+    """The upper tier has too few free slots for a request's working set."""
+
+
+@dataclass
+class _Req:
+    history: RoundHistory  # the stored rounds it may attend (its matched path's)
+    own_start: int  # first position whose upper KV this request computes
+    row: int  # its req_to_token row
+    held: list[torch.Tensor] = field(default_factory=list)  # kept rounds' full slots, held
+    # its own tokens' full slots, per pass, from own_start (held too). Not req_to_token's:
+    # a checkpoint that finds some of them in the tree already points the row at the
+    # tree's slots, whose upper KV is nowhere; these hold this request's.
+    own: list[torch.Tensor] = field(default_factory=list)
+    kept: list[int] | None = None  # indices into history.rounds (None: not selected yet)
+    kept_pos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    stored: list[StoredRound] = field(default_factory=list)  # its own rounds, stored
+    share: float = 1.0  # kept tokens / stored tokens (k/T)
+
+    def own_full(self) -> torch.Tensor:
+        """Full slots of positions own_start, own_start + 1, ... (this request's)."""
+        if len(self.own) > 1:
+            self.own = [torch.cat(self.own)]
+        return self.own[0] if self.own else torch.empty(0, dtype=torch.int64)
+
+
+class RoundPlan:
+    """One pass: per batch index, its request; the upper rows its extend attends (filled
+    at the first upper layer); a decode pass's subsets."""
+
+    def __init__(self, reqs: list[_Req], select_idx: list[int], decode: bool):
+        self.reqs, self.select_idx, self.decode = reqs, select_idx, decode
+        self.rows: dict[int, torch.Tensor] = {}
+        self.subsets = None
+
+
+class RoundRuntime:
+    def __init__(self, tiers: Tiers, strategy_name: str = "topk", recent: int = 1,
+                 min_rounds: int = 4):
+        self.tiers = tiers
+        self.how = strategy(strategy_name)
+        self.recent, self.min_rounds = recent, min_rounds
+        self.select_layer = tiers.first_layer + tiers.split - 1  # L_w, 0-based
+        self.states: dict[str, _Req] = {}
+        self.seeds: OrderedDict[str, tuple[RoundHistory, int]] = OrderedDict()
+        self._pass = 0
+        self.req_to_token: torch.Tensor | None = None
+        self.blocks: weakref.WeakSet = weakref.WeakSet()  # host blocks alive (tree-held)
+        self.counts = {"selections": 0, "exact_selections": 0, "rounds_seen": 0,
+                       "rounds_kept": 0, "tokens_seen": 0, "tokens_kept": 0,
+                       "blocks_loaded": 0, "tokens_loaded": 0, "blocks_stored": 0,
+                       "unstored_tokens": 0}
+
+    # ---- from the radix cache ------------------------------------------------------
+    def seed(self, rid: str, history: RoundHistory | None) -> None:
+        self.seeds.pop(rid, None)
+        self.seeds[rid] = (history or RoundHistory(), self._pass)
+        while len(self.seeds) > MAX_SEEDS:
+            self.seeds.popitem(last=False)
+
+    def release(self, rid: str) -> None:
+        self.seeds.pop(rid, None)
+        st = self.states.pop(rid, None)
+        if st is not None:
+            for full in (*st.held, *st.own):
+                self.tiers.slots.drop(full)
+
+    @property
+    def live_states(self) -> int:
+        return len(self.states)
+
+    def store(self, rid: str, ids, up_to: int, fmt) -> list[tuple[int, RoundHistory]]:
+        """Store the request's own tokens up to ``up_to`` as blocks, one per round of the
+        turn tags (``fmt``: the served model's turn format; None: one round); returns
+        ``(end, history)`` for each new round's last position, for the tree."""
+        st = self.states.get(rid)
+        if st is None or self.req_to_token is None:
+            return []
+        base = st.history.end
+        lo = st.stored[-1].end if st.stored else st.own_start
+        if base != st.own_start:  # a gap without upper KV: nothing to store contiguously
+            self.counts["unstored_tokens"] += max(0, up_to - lo)
+            return []
+        if up_to <= lo or not st.own:
+            return []
+        own = st.own_full()
+        out, hist = [], st.history.plus(st.stored)
+        for rnd, s, e in _pieces(ids, up_to, lo, fmt):
+            full = own[s - st.own_start : e - st.own_start]
+            up = self.tiers.slots.translate(full)
+            if bool((up < 0).any()):  # not this request's to store (never happens)
+                logger.error("round mode: positions %d-%d of %s have no upper slot", s, e, rid)
+                break
+            k, v = self.tiers.upper_bufs()
+            block = blocks.store(k, v, up)
+            self.blocks.add(block)
+            piece = StoredRound(rnd, s, e, block)
+            st.stored.append(piece)
+            hist = hist.plus([piece])
+            out.append((e, hist))
+            self.counts["blocks_stored"] += 1
+        return out
+
+    # ---- per pass ------------------------------------------------------------------
+    def plan(self, batch: BatchView) -> RoundPlan | None:
+        if batch.mode not in ("decode", "extend"):
+            return None
+        self._tick()
+        self.req_to_token = batch.req_to_token
+        decode = batch.mode == "decode"
+        reqs, select_idx, at = [], [], 0
+        for b, rid in enumerate(batch.rids):
+            n = 1 if decode else batch.extend_lens[b]
+            st = self.states.get(rid)
+            if st is None:
+                st = self._start(rid, batch.seq_lens[b] - n, batch.pool_rows[b])
+            loc = batch.out_cache_loc[at : at + n].long().clone()  # sglang reuses its buffer
+            at += n
+            if self.tiers.slots.acquire(loc) is None:
+                raise CapacityError(
+                    f"round mode: {n} tokens of request {rid} need upper slots, "
+                    f"{self.tiers.slots.available()} of {self.tiers.upper} are free; valid: a "
+                    "larger --spec-round-upper-tokens (0: the full pool's size)")
+            st.own.append(loc)
+            if st.kept is None:
+                if st.history.rounds:
+                    select_idx.append(b)
+                else:
+                    st.kept = []
+            reqs.append(st)
+        plan = RoundPlan(reqs, select_idx, decode)
+        if decode:
+            table = batch.req_to_token.index_select(0, batch.rows.cpu()).long()
+            for b, st in enumerate(reqs):  # its own tokens: the slots it wrote (see _Req.own)
+                own = st.own_full()
+                table[b, st.own_start : st.own_start + own.numel()] = own
+            plan.subsets = subsets(
+                table, torch.arange(len(reqs)), batch.seq_lens_t.cpu(),
+                [r.kept_pos for r in reqs],
+                torch.tensor([r.own_start for r in reqs], dtype=torch.int64),
+                self.tiers.slots, self.tiers.k_bufs[0].shape[1])
+        return plan
+
+    def _start(self, rid: str, prefix: int, row: int) -> _Req:
+        hist, _ = self.seeds.pop(rid, (RoundHistory(), 0))
+        hist = hist.upto(prefix)
+        if hist.end < prefix:
+            logger.warning("round mode: %s reuses %d cached tokens past its stored rounds "
+                           "(%d): their upper layers are not attended", rid,
+                           prefix - hist.end, hist.end)
+        st = self.states[rid] = _Req(hist, prefix, row)
+        return st
+
+    def _tick(self) -> None:
+        self._pass += 1
+        cutoff = self._pass - SEED_TTL
+        while self.seeds and next(iter(self.seeds.values()))[1] < cutoff:
+            self.seeds.popitem(last=False)
+
+    # ---- per layer -----------------------------------------------------------------
+    def select_rounds(self, plan: RoundPlan, spans, q: torch.Tensor, k_buf: torch.Tensor,
+                      scale: float) -> None:
+        """At the last lower layer: choose and load the rounds of every request of the
+        pass that has not selected yet (``spans``: the extend's, by batch index)."""
+        for b in plan.select_idx:
+            st, sp = plan.reqs[b], spans[b]
+            rounds = st.history.rounds
+            groups = st.history.groups()
+            cands = [g for g in groups if g != 0]
+            if len(cands) < self.min_rounds:
+                kept_groups = list(groups)
+                self.counts["exact_selections"] += 1
+            else:
+                qi = q[max(sp.q_start, sp.q_end - SCORE_QUERIES) : sp.q_end]
+                keys = k_buf.index_select(0, sp.slots)
+                mass = piece_mass(qi, keys, [(r.start, r.end) for r in rounds], scale)
+                share = torch.stack([mass[groups[g]].sum() for g in cands])
+                share = share / share.sum().clamp_min(1e-30)
+                picked = select(share, self.how, self.recent)
+                kept_groups = ([0] if 0 in groups else []) + [cands[i] for i in picked]
+            st.kept = sorted(i for g in kept_groups for i in groups[g])
+            self._load(st, [rounds[i] for i in st.kept])
+            spans_kept = [(rounds[i].start, rounds[i].end) for i in st.kept]
+            st.kept_pos = kept_positions(spans_kept, range(len(spans_kept)))
+            total = st.history.end
+            st.share = st.kept_pos.numel() / total if total else 1.0
+            c = self.counts
+            c["selections"] += 1
+            c["rounds_seen"] += len(groups)
+            c["rounds_kept"] += len(kept_groups)
+            c["tokens_seen"] += total
+            c["tokens_kept"] += st.kept_pos.numel()
+
+    def _load(self, st: _Req, pieces: list[StoredRound]) -> None:
+        k, v = self.tiers.upper_bufs()
+        for r in pieces:
+            full = self.req_to_token[st.row, r.start : r.end].long()
+            got = self.tiers.slots.acquire(full)
+            if got is None:
+                raise CapacityError(
+                    f"round mode: round {r.round} ({r.tokens} tokens) needs upper slots, "
+                    f"{self.tiers.slots.available()} of {self.tiers.upper} are free; valid: a "
+                    "larger --spec-round-upper-tokens (0: the full pool's size)")
+            st.held.append(full)
+            upper, new = got
+            if bool(new.any()):  # rows another running request loaded are shared
+                rows = torch.nonzero(new).flatten()
+                blocks.load(r.block, k, v, upper[new], rows=rows)
+                self.counts["blocks_loaded"] += 1
+                self.counts["tokens_loaded"] += rows.numel()
+
+    def extend_upper(self, plan: RoundPlan, b: int, sp, q: torch.Tensor,
+                     k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> torch.Tensor:
+        """Request ``b``'s new queries at an upper layer: the kept rounds, then its own
+        tokens (causal)."""
+        rows = plan.rows.get(b)
+        st = plan.reqs[b]
+        if rows is None:
+            full = torch.cat([self.req_to_token[st.row].index_select(0, st.kept_pos).long(),
+                              st.own_full()[: sp.prefix + q.shape[0] - st.own_start]])
+            rows = plan.rows[b] = self.tiers.upper_rows(full)
+        k, v = k_buf.index_select(0, rows), v_buf.index_select(0, rows)
+        return exact_extend(q, k, v, rows.numel() - q.shape[0], scale)
+
+    def decode_upper(self, plan: RoundPlan, q, k_buf, v_buf, out, scale, impl=None,
+                     check=False):
+        return sparse_decode(q, k_buf, v_buf, plan.subsets, scale=scale, impl=impl, out=out,
+                             check=check)
+
+    # ---- reporting -----------------------------------------------------------------
+    def totals(self) -> dict:
+        """The pool's tiers and what round mode did, for GET /sgl_spec/cache."""
+        t, s = self.tiers, self.tiers.slots
+        host = sum(b.nbytes for b in list(self.blocks))
+        c = self.counts
+        return {
+            "watershed": self.select_layer + 1, "layers": t.first_layer + t.num_layers,
+            "lower_slots": t.full_rows, "upper_slots": t.upper,
+            "upper_slots_used": s.used(), "working_sets": len(self.states),
+            "device_bytes": t.device_bytes(), "token_bytes": t.token_bytes(),
+            "host_blocks": len(self.blocks), "host_bytes": host,
+            "kept_share": c["tokens_kept"] / c["tokens_seen"] if c["tokens_seen"] else None,
+            **c,
+        }
+
+
+def _pieces(ids, up_to: int, lo: int, fmt) -> list[tuple[int, int, int]]:
+    """(round, start, end) of the rounds in positions [lo, up_to) of ``ids``."""
+    if fmt is None:
+        return [(0, lo, up_to)]
+    from sgl_spec.cache.segment import segment
+
+    out: list[list[int]] = []
+    for sp in segment(ids[:up_to], fmt):
+        s, e = max(sp.start, lo), min(sp.end, up_to)
+        if s >= e:
+            continue
+        if out and out[-1][0] == sp.tag.round and out[-1][2] == s:
+            out[-1][2] = e
+        else:
+            out.append([sp.tag.round, s, e])
+    return [tuple(p) for p in out]
+
+
+def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
+               scale: float) -> torch.Tensor:
+    """qAtt (Eq. 1) of each span: the softmax attention mass of ``q`` ([n, Hq, D], the
+    last n queries of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the
+    sequence's), summed over queries and heads; causal. [len(spans)] float32."""
+    n, hq, _ = q.shape
+    total, hkv = keys.shape[0], keys.shape[1]
+    qh = q.float().transpose(0, 1)  # [Hq, n, D]
+    kh = keys.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
+    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, S]
+    qpos = torch.arange(total - n, total)[:, None]
+    logits.masked_fill_(torch.arange(total)[None, :] > qpos, float("-inf"))
+    col = torch.softmax(logits, dim=-1).sum((0, 1))  # [S]
+    csum = torch.cat([col.new_zeros(1), col.cumsum(0)])
+    return torch.stack([csum[e] - csum[s] for s, e in spans]) if spans else col.new_zeros(0)

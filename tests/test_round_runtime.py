@@ -1,0 +1,157 @@
+"""Round mode's attention path without sglang: a question over stored rounds selects the
+round its queries attend at L_w, loads the kept rounds' blocks into upper slots, and its
+upper-layer attention (extend and decode) equals a float64 dense reference over exactly
+those rounds and its own tokens; storing and releasing leave no slot held."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_spec.attention.batch import BatchView
+from sgl_spec.attention.extend import spans
+from sgl_spec.rounds.history import RoundHistory, StoredRound
+from sgl_spec.rounds.runtime import CapacityError, RoundRuntime, piece_mass
+from sgl_spec.tiers import blocks
+from sgl_spec.tiers.pool import Tiers
+
+LAYERS, SPLIT, HKV, HQ, D = 4, 2, 2, 4, 8
+FULL, UPPER = 96, 48
+ROUNDS = [(0, 0, 4), (1, 4, 10), (2, 10, 16), (3, 16, 22), (4, 22, 28), (5, 28, 34)]
+PREFIX, NEW = 34, 6
+SCALE = 1 / math.sqrt(D)
+
+
+def _pool(upper=UPPER):
+    g = torch.Generator().manual_seed(0)
+    k = [torch.randn(FULL if i < SPLIT else upper + 1, HKV, D, generator=g)
+         for i in range(LAYERS)]
+    v = [torch.randn_like(b) for b in k]
+    return Tiers(SPLIT, k, v, FULL, upper)
+
+
+def _history(g):
+    """Stored rounds: each a block of random upper-layer KV; returns the history and
+    the blocks' data by position ([L - SPLIT, 2, PREFIX, HKV, D])."""
+    data = torch.randn(LAYERS - SPLIT, 2, PREFIX, HKV, D, generator=g)
+    rounds = tuple(StoredRound(r, s, e, blocks.RoundBlock(data[:, :, s:e].clone()))
+                   for r, s, e in ROUNDS)
+    return RoundHistory(rounds), data
+
+
+def _batch(mode, rid, row, seq, new, req_to_token, loc):
+    return BatchView(mode, rids=(rid,), seq_lens=(seq,), pool_rows=(row,),
+                     extend_lens=(new,) if mode == "extend" else (),
+                     req_to_token=req_to_token, rows=torch.tensor([row]),
+                     seq_lens_t=torch.tensor([seq]), input_ids=torch.zeros(new, dtype=torch.long),
+                     out_cache_loc=loc)
+
+
+def _reference(q, k, v):
+    """float64 causal attention of the last q.shape[0] positions over k, v ([S, HKV, D])."""
+    n, s = q.shape[0], k.shape[0]
+    kh = k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+    vh = v.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+    logits = q.double().transpose(0, 1) @ kh.transpose(1, 2) * SCALE
+    mask = torch.arange(s)[None, :] > torch.arange(s - n, s)[:, None]
+    logits.masked_fill_(mask, float("-inf"))
+    return (torch.softmax(logits, -1) @ vh).transpose(0, 1)
+
+
+def test_a_question_selects_its_round_and_attends_exactly_the_kept_rounds():
+    g = torch.Generator().manual_seed(1)
+    tiers = _pool()
+    rt = RoundRuntime(tiers, "topk", recent=1, min_rounds=2)
+    history, data = _history(g)
+    req_to_token = torch.zeros(4, 128, dtype=torch.int32)
+    slots = torch.randperm(FULL - 1, generator=g)[: PREFIX + NEW + 1] + 1
+    req_to_token[2, : PREFIX + NEW + 1] = slots.int()
+    rt.seed("q", history)
+    batch = _batch("extend", "q", 2, PREFIX + NEW, NEW, req_to_token, slots[PREFIX:PREFIX + NEW])
+    plan = rt.plan(batch)
+    assert plan.select_idx == [0] and tiers.slots.used() == NEW
+    # The question's queries at L_w point at round 3's keys.
+    q_lw = torch.randn(NEW, HQ, D, generator=g) * 0.1
+    k_lw = tiers.k_bufs[SPLIT - 1]
+    target = torch.randn(HKV, D, generator=g)
+    k_lw[slots[16:22]] = target * 4
+    q_lw += target.repeat_interleave(HQ // HKV, 0)
+    rt.select_rounds(plan, spans(batch), q_lw, k_lw, SCALE)
+    st = rt.states["q"]
+    kept_rounds = [history.rounds[i].round for i in st.kept]
+    assert kept_rounds == [0, 3, 5]  # system prompt, the selected round, the last one
+    assert st.kept_pos.tolist() == [*range(0, 4), *range(16, 22), *range(28, 34)]
+    assert tiers.slots.used() == NEW + 16 and tiers.slots.check() == []
+    assert rt.counts["blocks_loaded"] == 3 and rt.counts["tokens_loaded"] == 16
+    # The pool's writes of the new tokens' upper KV, then the upper layers.
+    own = torch.randn(LAYERS - SPLIT, 2, NEW, HKV, D, generator=g)
+    for i in range(LAYERS - SPLIT):
+        rows = tiers.upper_rows(slots[PREFIX:PREFIX + NEW])
+        tiers.k_bufs[SPLIT + i][rows] = own[i, 0]
+        tiers.v_bufs[SPLIT + i][rows] = own[i, 1]
+    sp = spans(batch)[0]
+    for i in range(LAYERS - SPLIT):
+        q = torch.randn(NEW, HQ, D, generator=g)
+        got = rt.extend_upper(plan, 0, sp, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i],
+                              SCALE)
+        keys = torch.cat([data[i, 0, st.kept_pos], own[i, 0]])
+        vals = torch.cat([data[i, 1, st.kept_pos], own[i, 1]])
+        torch.testing.assert_close(got.double(), _reference(q, keys, vals), atol=1e-5,
+                                   rtol=1e-5)
+    # One decode step: the kept rounds, the own tokens and the new one.
+    loc = slots[PREFIX + NEW : PREFIX + NEW + 1]
+    dplan = rt.plan(_batch("decode", "q", 2, PREFIX + NEW + 1, 1, req_to_token, loc))
+    step = torch.randn(LAYERS - SPLIT, 2, 1, HKV, D, generator=g)
+    for i in range(LAYERS - SPLIT):
+        tiers.k_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 0]
+        tiers.v_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 1]
+        q = torch.randn(1, HQ, D, generator=g)
+        out = torch.empty(1, HQ, D)
+        rt.decode_upper(dplan, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i], out, SCALE,
+                        impl="torch", check=True)
+        keys = torch.cat([data[i, 0, st.kept_pos], own[i, 0], step[i, 0]])
+        vals = torch.cat([data[i, 1, st.kept_pos], own[i, 1], step[i, 1]])
+        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
+                                   rtol=1e-5)
+    # The turn ends: its own tokens become a block (one round without a format).
+    stored = rt.store("q", list(range(PREFIX + NEW + 1)), PREFIX + NEW + 1, None)
+    assert [(e, h.end) for e, h in stored] == [(PREFIX + NEW + 1, PREFIX + NEW + 1)]
+    block = stored[0][1].rounds[-1].block
+    torch.testing.assert_close(block.data[:, :, :NEW], own)
+    assert stored[0][1].rounds[:-1] == history.rounds  # the blocks are shared, not copied
+    rt.release("q")
+    assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
+
+
+def test_few_rounds_attend_all_and_a_full_upper_tier_is_refused_by_name():
+    g = torch.Generator().manual_seed(2)
+    tiers = _pool(upper=20)
+    rt = RoundRuntime(tiers, "adaptive", recent=1, min_rounds=8)  # 5 candidates < 8: exact
+    history, _ = _history(g)
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[0, : PREFIX + NEW] = torch.arange(1, PREFIX + NEW + 1).int()
+    rt.seed("a", history)
+    batch = _batch("extend", "a", 0, PREFIX + NEW, NEW, req_to_token,
+                   req_to_token[0, PREFIX:PREFIX + NEW].long())
+    plan = rt.plan(batch)
+    with pytest.raises(CapacityError, match="--spec-round-upper-tokens"):
+        rt.select_rounds(plan, spans(batch), torch.randn(NEW, HQ, D), tiers.k_bufs[SPLIT - 1],
+                         SCALE)  # all 34 stored tokens + 6 new > 20 upper slots
+    assert rt.counts["exact_selections"] == 1
+    rt.release("a")  # what it held before the refusal is freed
+    assert tiers.slots.used() == 0 and tiers.slots.check() == []
+
+
+def test_qatt_is_the_softmax_mass_on_each_span():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(3, HQ, D, generator=g), torch.randn(10, HKV, D, generator=g)
+    mass = piece_mass(q, k, [(0, 4), (4, 7), (7, 10)], SCALE)
+    kh = k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
+    logits = q.double().transpose(0, 1) @ kh.transpose(1, 2) * SCALE
+    logits.masked_fill_(torch.arange(10)[None, :] > torch.arange(7, 10)[:, None], float("-inf"))
+    col = torch.softmax(logits, -1).sum((0, 1))
+    want = torch.stack([col[0:4].sum(), col[4:7].sum(), col[7:10].sum()])
+    torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
+    assert abs(float(mass.sum()) - 3 * HQ) < 1e-4  # every query's mass, once

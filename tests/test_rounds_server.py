@@ -1,0 +1,104 @@
+"""Round mode in a real server (issue 44): the default model, a layer-tiered pool (L_w 12 of
+30, an upper tier of half the full pool's slots), conversations played turn by turn
+through the chat API. A conversation with fewer earlier rounds than the threshold attends
+all of them and answers as the exact server does, with the same cached tokens per turn; a
+long one selects rounds (kept share under 1), keeps each finished round as host blocks
+and gives every upper slot back; aborted streams free their working sets."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from _aborts import abort_streams, wait_until_freed
+from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, TEST_POOL, Early, early_server
+from sgl_spec import boot
+from sgl_spec.bench.server import SPEC
+from sgl_spec.rounds.conversations import conversation
+
+pytestmark = [pytest.mark.server]
+
+WATERSHED = 12  # the default model's calibrated L_w (docs/results/2026-11-28-watershed.md)
+UPPER = TEST_POOL // 2
+MIN_ROUNDS = 4
+
+
+def _flags(model_path: str) -> list[str]:
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, "--spec-rounds",
+            "--spec-round-watershed", str(WATERSHED), "--spec-round-upper-tokens", str(UPPER),
+            "--spec-round-min-rounds", str(MIN_ROUNDS)]
+
+
+if not boot.cuda_host():
+    EARLY_SERVERS["rounds_server"] = Early(SPEC, _flags)
+
+
+@pytest.fixture(scope="module")
+def rounds_server(model_path):
+    yield from early_server("rounds_server", model_path)
+
+
+def _tiers(url: str) -> dict:
+    return requests.get(url + "/sgl_spec/cache", timeout=60).json()["tiers"]
+
+
+def _play(url: str, conv, answer_tokens: int = 12) -> tuple[list[int], str]:
+    """Every round's user turn as one request over the scripted history, then the
+    question: the cached tokens of each request and the question's greedy answer."""
+    msgs, cached = list(conv.messages), []
+    for r in range(1, conv.rounds + 2):
+        last = r == conv.rounds + 1
+        body = {"model": "m", "messages": msgs if last else msgs[: 2 * r],
+                "max_tokens": answer_tokens if last else 1, "temperature": 0}
+        out = requests.post(url + "/v1/chat/completions", json=body, timeout=300)
+        out.raise_for_status()
+        out = out.json()
+        cached.append((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return cached, out["choices"][0]["message"]["content"]
+
+
+def test_few_rounds_attend_all_of_them_and_answer_as_exact(rounds_server, spec_server, hf_tok):
+    conv = conversation(hf_tok, rounds=MIN_ROUNDS - 1, round_tokens=(40, 80), seed=11, asked=1)
+    before = _tiers(rounds_server.url)
+    got = _play(rounds_server.url, conv)
+    want = _play(spec_server.url, conv)
+    # the answer, and the cached tokens of every turn over its own history (the first
+    # turn's: the shared system prompt, which the exact server may hold a few tokens
+    # further, the user turn's opener: round mode reuses no more than its stored rounds)
+    assert got[1] == want[1] and got[0][1:] == want[0][1:], (got, want)
+    t = _tiers(rounds_server.url)
+    exact = t["exact_selections"] - before["exact_selections"]
+    assert exact == t["selections"] - before["selections"] >= conv.rounds  # < 4 candidates
+
+
+def test_a_long_conversation_selects_rounds_and_gives_every_slot_back(rounds_server, hf_tok):
+    conv = conversation(hf_tok, rounds=14, round_tokens=(60, 120), seed=12, asked=2)
+    before = _tiers(rounds_server.url)
+    cached, answer = _play(rounds_server.url, conv)
+    assert answer and all(c > 0 for c in cached[1:])  # every later turn reuses its history
+    t = _tiers(rounds_server.url)
+    picked = t["selections"] - before["selections"] - (t["exact_selections"]
+                                                       - before["exact_selections"])
+    assert picked >= conv.rounds + 1 - MIN_ROUNDS  # from the 5th question on
+    seen = t["tokens_seen"] - before["tokens_seen"]
+    kept = t["tokens_kept"] - before["tokens_kept"]
+    assert 0 < kept < 0.8 * seen, (kept, seen)
+    assert t["host_blocks"] > conv.rounds and t["host_bytes"] > 0
+    assert t["blocks_loaded"] > before["blocks_loaded"]
+    per_token = t["token_bytes"]
+    assert t["device_bytes"]["upper"] == per_token["upper"] * (UPPER + 1)
+    assert t["device_bytes"]["lower"] == per_token["lower"] * (TEST_POOL + 1)
+    assert t["upper_slots_used"] == 0 and t["working_sets"] == 0
+    assert t["watershed"] == WATERSHED and t["unstored_tokens"] == 0
+
+
+def test_aborted_streams_free_their_working_sets(rounds_server, hf_tok):
+    conv = conversation(hf_tok, rounds=6, round_tokens=(60, 120), seed=13, asked=3)
+    _play(rounds_server.url, conv, answer_tokens=1)
+    text = hf_tok.apply_chat_template(list(conv.messages), tokenize=False,
+                                      add_generation_prompt=True)
+    abort_streams(rounds_server.url, [text, text + " Please.", text], cut_after=[0, 3, 8],
+                  max_new_tokens=200)
+    live = wait_until_freed(rounds_server.url)
+    assert live["round_working_sets"] == 0 and live["round_upper_slots"] == 0, live
+    assert _tiers(rounds_server.url)["upper_slots_used"] == 0
