@@ -125,23 +125,36 @@ def test_a_question_selects_its_round_and_attends_exactly_the_kept_rounds():
     assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
 
 
-def test_few_rounds_attend_all_and_a_full_upper_tier_is_refused_by_name():
+def test_a_full_upper_tier_trims_the_least_important_rounds_then_refuses_by_name():
     g = torch.Generator().manual_seed(2)
     tiers = _pool(upper=20)
-    rt = RoundRuntime(tiers, "adaptive", recent=1, min_rounds=8)  # 5 candidates < 8: exact
+    rt = RoundRuntime(tiers, "adaptive", recent=1, min_rounds=8)  # 5 candidates < 8: all
     history, _ = _history(g)
-    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token = torch.zeros(3, 64, dtype=torch.int32)
     req_to_token[0, : PREFIX + NEW] = torch.arange(1, PREFIX + NEW + 1).int()
     rt.seed("a", history)
     batch = _batch("extend", "a", 0, PREFIX + NEW, NEW, req_to_token,
                    req_to_token[0, PREFIX:PREFIX + NEW].long())
     plan = rt.plan(batch)
+    rt.select_rounds(plan, spans(batch), torch.randn(NEW, HQ, D), tiers.k_bufs[SPLIT - 1],
+                     SCALE)
+    st = rt.states["a"]
+    # 20 slots: its 6 new tokens, round 0 (4), the newest round (6); the 4 older left out
+    assert [history.rounds[i].round for i in st.kept] == [0, 5]
+    assert rt.counts["exact_selections"] == 1 and rt.counts["trimmed_rounds"] == 4
+    assert tiers.slots.available() == 4 and tiers.slots.check() == []
+    # Another request's 6 new tokens: the running one gives up its least important round.
+    req_to_token[1, :6] = torch.arange(50, 56).int()
+    rt.plan(_batch("extend", "b", 1, 6, 6, req_to_token, req_to_token[1, :6].long()))
+    assert [history.rounds[i].round for i in st.kept] == [0]
+    assert st.kept_pos.tolist() == [0, 1, 2, 3] and rt.counts["trimmed_rounds"] == 5
+    # A request whose own tokens do not fit even then: refused, naming the flag.
+    req_to_token[2, :16] = torch.arange(60, 76).int()
     with pytest.raises(CapacityError, match="--spec-round-upper-tokens"):
-        rt.select_rounds(plan, spans(batch), torch.randn(NEW, HQ, D), tiers.k_bufs[SPLIT - 1],
-                         SCALE)  # all 34 stored tokens + 6 new > 20 upper slots
-    assert rt.counts["exact_selections"] == 1
-    rt.release("a")  # what it held before the refusal is freed
-    assert tiers.slots.used() == 0 and tiers.slots.check() == []
+        rt.plan(_batch("extend", "c", 2, 16, 16, req_to_token, req_to_token[2, :16].long()))
+    for rid in ("a", "b", "c"):
+        rt.release(rid)
+    assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
 
 
 def test_qatt_is_the_softmax_mass_on_each_span():

@@ -27,6 +27,21 @@ class Reply:
     completion_tokens: int
     cached_tokens: int
     prompt_tokens: int
+    first_at: float | None = None  # perf_counter of the first and the last token
+    last_at: float | None = None
+
+
+def peak_overlap(replies: list[Reply]) -> int:
+    """The most replies decoding at one time (between their first and last tokens), from
+    the client's clock: sglang's running-request gauge is refreshed only every
+    --decode-log-interval steps."""
+    events = sorted([(r.first_at, 1) for r in replies if r.first_at is not None]
+                    + [(r.last_at, -1) for r in replies if r.first_at is not None])
+    peak = cur = 0
+    for _, d in events:
+        cur += d
+        peak = max(peak, cur)
+    return peak
 
 
 def history(url: str, conv: Conversation, timeout: float = 900) -> None:
@@ -67,7 +82,8 @@ def ask(url: str, messages: list[dict], max_tokens: int, ignore_eos: bool = Fals
     rate = (n - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] \
         else None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return Reply("".join(parts), ttft, rate, n, cached, usage.get("prompt_tokens", 0))
+    return Reply("".join(parts), ttft, rate, n, cached, usage.get("prompt_tokens", 0),
+                 stamps[0] if stamps else None, stamps[-1] if stamps else None)
 
 
 _METRIC = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
@@ -84,15 +100,16 @@ def metrics(url: str) -> dict[str, float]:
 
 
 class Watch:
-    """Polls ``/metrics`` while a phase runs: the peak running and queued requests and
-    the retractions during it."""
+    """Polls ``/metrics`` while a phase runs: the retractions during it; with ``pool``, also ``GET /sgl_spec/cache``: the sample
+    with the most device KV bytes in use (full-pool slots x bytes per slot, plus the upper
+    tier's slots in use x theirs, read from the pool)."""
 
-    RUNNING, QUEUED = "sglang:num_running_reqs", "sglang:num_queue_reqs"
+    RUNNING = "sglang:num_running_reqs"
     RETRACTED = "sglang:num_retracted_requests_total"
 
-    def __init__(self, url: str, every_s: float = 0.2):
-        self.url, self.every_s = url, every_s
-        self.peak_running = self.peak_queued = 0
+    def __init__(self, url: str, every_s: float = 0.5, pool: bool = False):
+        self.url, self.every_s, self.pool = url, every_s, pool
+        self.peak_bytes, self.peak_sample = 0, None
         self._stop = threading.Event()
         self._first = metrics(url).get(self.RETRACTED, 0.0)
         self.retracted = 0
@@ -104,9 +121,28 @@ class Watch:
                 m = metrics(self.url)
             except requests.RequestException:
                 m = {}
-            self.peak_running = max(self.peak_running, int(m.get(self.RUNNING, 0)))
-            self.peak_queued = max(self.peak_queued, int(m.get(self.QUEUED, 0)))
+            if self.pool:
+                self._sample_pool(int(m.get(self.RUNNING, 0)))
             self._stop.wait(self.every_s)
+
+    def _sample_pool(self, running: int) -> None:
+        try:
+            st = requests.get(self.url + "/sgl_spec/cache", timeout=30).json()
+        except (requests.RequestException, ValueError):
+            return
+        pool, tiers = st.get("pool"), st.get("tiers")
+        if not pool:
+            return
+        if tiers:
+            tb = tiers["token_bytes"]
+            used = pool["used_slots"] * tb["lower"] + tiers["upper_slots_used"] * tb["upper"]
+        else:
+            used = pool["used_slots"] * pool["device_bytes"] / (pool["slots"] + 1)
+        if used > self.peak_bytes:
+            self.peak_bytes = int(used)
+            self.peak_sample = {"running": running, "used_slots": pool["used_slots"],
+                                "upper_slots_used": tiers and tiers["upper_slots_used"],
+                                "bytes": int(used)}
 
     def __enter__(self) -> Watch:
         self._thread.start()

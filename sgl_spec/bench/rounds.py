@@ -14,11 +14,12 @@ Workloads (``--workload``):
   conversations of ``--rounds-per-conversation`` rounds at every layer's bytes: stock and
   exact get that many tokens; round mode splits the same bytes into a full pool for the
   layers below L_w and an upper tier of ``--upper-share`` of its slots. ``--conversations``
-  chats are played round by round, interleaved, then all ask a question at once. Per row:
-  the pool's device bytes (read from it), the device KV bytes per conversation (its
-  tokens x the pool's bytes per token per tier; round mode's upper tier counts the kept
-  rounds and the question), the peak running and queued requests and the retractions
-  (sglang's metrics), the questions whose history was still cached, output tokens/s.
+  chats are played round by round, one after the other, then all ask a question at once:
+  the most answers decoding at one time (the client's clock), the retractions (sglang's
+  metric), the questions whose history was still cached, output tokens/s. Then, on an emptied cache, one
+  more conversation alone: the device KV bytes it holds while its question runs (slots in
+  use x bytes per slot, per tier, read from the pool), against exact's and against Eq. 2
+  for L_w and its kept share k/T.
 * ``speed``: one conversation of at least ``--history`` tokens, then ``--questions``
   questions about its rounds: TTFT and decode tokens/s of each (64 tokens, ignore_eos).
 * ``recall``: ``--conversations`` chats of 20-40 rounds (one fact each), then a question
@@ -46,7 +47,7 @@ from tqdm import tqdm
 
 from sgl_spec.bench import cli, configset, round_play, timing
 from sgl_spec.bench.scoring import exact_match
-from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
+from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 from sgl_spec.rounds.conversations import conversation
 
 ROWS = ("stock", "exact", "round-topk", "round-fixed", "round-adaptive")
@@ -56,6 +57,13 @@ DEFAULT_ROWS = {"capacity": ["stock", "exact", "round-topk"],
                 "recall": ["exact", "round-topk", "round-fixed", "round-adaptive"]}
 POSITIONS = ("early", "middle", "recent")
 QUESTION_TOKENS = 32
+
+
+def n_tokens(tok, messages) -> int:
+    """Tokens of ``messages`` rendered by the model's chat template (with the assistant
+    header a request adds)."""
+    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return len(tok.encode(text, add_special_tokens=False))
 
 
 def row_name(row: str) -> str:
@@ -93,40 +101,31 @@ def _cache(url: str) -> dict:
     return requests.get(url + "/sgl_spec/cache", timeout=60).json()
 
 
-def _pool(url: str, row: str) -> dict | None:
-    """The device pool as the server reads it (None for stock: no endpoint)."""
-    if row == "stock":
-        return None
-    st = _cache(url)
-    return {"pool": st.get("pool"), "tiers": st.get("tiers")}
-
-
-def per_conversation_bytes(row_pool: dict | None, history: float, kept: float,
-                           current: float) -> float | None:
-    """Device KV bytes one conversation takes while its question runs: every token at
-    every layer (exact), or every token below L_w and the working set above (round);
-    bytes per token read from the pool's buffers."""
-    if row_pool is None or row_pool.get("pool") is None:
-        return None
-    tiers = row_pool.get("tiers")
-    if tiers is None:
-        pool = row_pool["pool"]
-        return (history + current) * pool["device_bytes"] / (pool["slots"] + 1)
-    tb = tiers["token_bytes"]
-    return (history + current) * tb["lower"] + (kept + current) * tb["upper"]
-
-
 # ---- workloads -------------------------------------------------------------------------
-def play_capacity(server: ServerProcess, row: str, convs, bar) -> dict:
+def probe_one(url: str, row: str, conv) -> dict:
+    """One conversation alone on an emptied cache, its question sampled for the device KV
+    bytes in use (``Watch``: slots in use x bytes per slot, per tier, read from the pool):
+    what one conversation costs, and round mode's kept share k/T for it."""
+    flush_cache(url)
+    round_play.history(url, conv)
+    before = _cache(url).get("tiers")
+    with round_play.Watch(url, every_s=0.05, pool=True) as watch:
+        reply = round_play.ask(url, list(conv.messages), QUESTION_TOKENS, ignore_eos=True)
+    after = _cache(url).get("tiers")
+    share = None
+    if before and after and after["tokens_seen"] > before["tokens_seen"]:
+        share = (after["tokens_kept"] - before["tokens_kept"]) / (
+            after["tokens_seen"] - before["tokens_seen"])
+    return {"bytes": watch.peak_bytes, "sample": watch.peak_sample, "kept_share": share,
+            "prompt_tokens": reply.prompt_tokens, "tiers": after,
+            "pool": _cache(url).get("pool")}
+
+
+def play_capacity(server: ServerProcess, row: str, convs, bar, probe_conv=None) -> dict:
     url = server.url
-    for r in range(1, max(c.rounds for c in convs) + 1):  # interleaved, as live chats
-        for c in convs:
-            if r <= c.rounds:
-                msgs = list(c.messages)[: 2 * r]
-                requests.post(url + "/v1/chat/completions", json={
-                    "model": "m", "messages": msgs, "max_tokens": 1, "temperature": 0},
-                    timeout=900).raise_for_status()
-                bar.update()
+    for c in convs:  # one chat after the other; the budget keeps what it can of them
+        round_play.history(url, c)
+        bar.update(c.rounds)
     before = _cache(url).get("tiers") if row != "stock" else None
     with round_play.Watch(url) as watch, ThreadPoolExecutor(len(convs)) as pool:
         t0 = timing.Stopwatch()
@@ -135,24 +134,23 @@ def play_capacity(server: ServerProcess, row: str, convs, bar) -> dict:
                                 convs))
         wall = t0.elapsed()
     bar.update(len(convs))
+    probe = probe_one(url, row, probe_conv) if probe_conv is not None and row != "stock" \
+        else None
+    bar.update(probe_conv.rounds + 1 if probe_conv is not None else 0)
     after = _cache(url).get("tiers") if row != "stock" else None
     hist = [r.prompt_tokens for r in replies]
     kept_share = None
     if before is not None and after is not None:
         seen = after["tokens_seen"] - before["tokens_seen"]
         kept_share = (after["tokens_kept"] - before["tokens_kept"]) / seen if seen else None
-    pool_info = _pool(url, row)
-    mean_hist = statistics.mean(hist)
-    kept = mean_hist * (kept_share if kept_share is not None else 1.0)
     return {
-        "conversations": len(convs), "peak_running": watch.peak_running,
-        "peak_queued": watch.peak_queued, "retracted": watch.retracted,
+        "conversations": len(convs), "peak_running": round_play.peak_overlap(replies),
+        "retracted": watch.retracted,
         "history_cached": sum(r.cached_tokens >= 0.9 * r.prompt_tokens for r in replies),
         "output_tok_s": sum(r.completion_tokens for r in replies) / wall, "wall_s": wall,
         "ttft_s": [r.ttft_s for r in replies], "prompt_tokens": hist,
-        "kept_share": kept_share, "pool": pool_info,
-        "bytes_per_conversation": per_conversation_bytes(pool_info, mean_hist, kept,
-                                                         QUESTION_TOKENS),
+        "kept_share": kept_share, "probe": probe,
+        "bytes_per_conversation": probe and probe["bytes"],
     }
 
 
@@ -212,12 +210,15 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
     for row, runs in played.items():
         if workload == "capacity":
             r = runs[0]
-            out[row] = {k: r[k] for k in ("peak_running", "peak_queued", "retracted",
+            out[row] = {k: r[k] for k in ("peak_running", "retracted",
                                           "history_cached", "output_tok_s",
                                           "bytes_per_conversation", "kept_share")}
+            out[row]["conversations"] = r["conversations"]
             out[row]["output_tok_s_rounds"] = timing.spread(x["output_tok_s"] for x in runs)
-            if r["kept_share"] is not None:
-                out[row]["eq2_share"] = watershed / layers + r["kept_share"] * (
+            probe = r["probe"]
+            if probe and probe["kept_share"] is not None:
+                out[row]["probe_kept_share"] = probe["kept_share"]
+                out[row]["eq2_share"] = watershed / layers + probe["kept_share"] * (
                     1 - watershed / layers)
         elif workload == "speed":
             qs = [q for run in runs for q in run["questions"]]
@@ -244,6 +245,8 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
             s["tok_s_vs_exact"] = s["output_tok_s"] / base["output_tok_s"]
             if s["bytes_per_conversation"] and base["bytes_per_conversation"]:
                 s["bytes_vs_exact"] = s["bytes_per_conversation"] / base["bytes_per_conversation"]
+                if s.get("eq2_share"):
+                    s["bytes_vs_eq2"] = s["bytes_vs_exact"] / s["eq2_share"]
         elif workload == "speed":
             s["decode_vs_exact"] = timing.ratio_spread(
                 [q["decode_tok_s"] for run in played[row] for q in run["questions"]],
@@ -277,15 +280,17 @@ def markdown(res: dict) -> str:
         lines += [f"Budget: {c['budget_tokens']} tokens at every layer; {c['conversations']} "
                   f"conversations of {c['rounds_per_conversation']} rounds asked at once "
                   f"(upper tier {c['upper_share']} of round mode's full pool).", "",
-                  "| row | peak running | peak queued | retracted | histories cached | "
-                  "output tok/s | KV bytes / conv | vs exact | Eq. 2 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| row | decoding at once | retracted | histories cached | "
+                  "output tok/s | vs exact | KV bytes / conv | vs exact | Eq. 2 | k/T |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row, r in s.items():
             lines.append(
-                f"| {row} | {r['peak_running']} | {r['peak_queued']} | {r['retracted']} | "
+                f"| {row} | {r['peak_running']} / {r['conversations']} | {r['retracted']} | "
                 f"{r['history_cached']} | {_fmt(r['output_tok_s_rounds'])} | "
+                f"{_fmt(r.get('tok_s_vs_exact'))} | "
                 f"{_fmt(r['bytes_per_conversation'], ',.0f')} | "
-                f"{_fmt(r.get('bytes_vs_exact'), '.3f')} | {_fmt(r.get('eq2_share'), '.3f')} |")
+                f"{_fmt(r.get('bytes_vs_exact'), '.3f')} | {_fmt(r.get('eq2_share'), '.3f')} | "
+                f"{_fmt(r.get('probe_kept_share'), '.3f')} |")
     elif w == "speed":
         lines += ["| row | history | TTFT s | decode tok/s | TTFT vs exact | decode vs exact "
                   "| kept k/T |", "|---|---|---|---|---|---|---|"]
@@ -322,11 +327,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--history", type=int, default=6000, metavar="T",
                     help="speed: tokens of the conversation's history (default 6000)")
     ap.add_argument("--questions", type=int, default=4, metavar="Q")
-    ap.add_argument("--round-tokens", type=int, nargs=2, default=(60, 120), metavar=("LO", "HI"))
+    ap.add_argument("--round-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="prose tokens of a round's user turn (default 60 120; recall 300 420: "
+                    "8k-16k tokens of history, for the long-context model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-flags", default="", metavar="'FLAGS'",
                     help="flags appended to every row's server, one string")
     args = ap.parse_args(argv)
+    if args.round_tokens is None:
+        args.round_tokens = (300, 420) if args.workload == "recall" and not args.quick \
+            else (60, 120)
     rows = [row_name(r) for r in (args.rows or DEFAULT_ROWS[args.workload])]
     rows = list(dict.fromkeys(rows))
     if args.workload != "capacity" and "exact" not in rows:
@@ -362,15 +372,16 @@ def main(argv: list[str] | None = None) -> None:
         rounds = 8 if q else args.rounds_per_conversation
         convs = [conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed * 997 + i)
                  for i in range(n)]
-        conv_tokens = max(len(tok.apply_chat_template(list(c.messages), tokenize=True,
-                                                      add_generation_prompt=True)) for c in convs)
+        conv_tokens = max(n_tokens(tok, c.messages) for c in convs)
         budget = int(budget_convs * (conv_tokens + QUESTION_TOKENS))
         cfg.update(conversations=n, budget_conversations=budget_convs,
                    rounds_per_conversation=rounds, budget_tokens=budget,
                    conversation_tokens=conv_tokens, upper_share=args.upper_share,
                    tiers=tier_sizes(budget, lw, layers, args.upper_share))
-        total = len(rows) * args.rounds * n * (rounds + 1)
-        work = lambda server, row, bar: play_capacity(server, row, convs, bar)  # noqa: E731
+        probe_conv = conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed * 997 + n)
+        total = len(rows) * args.rounds * (n + 1) * (rounds + 1)
+        work = lambda server, row, bar: play_capacity(server, row, convs, bar,  # noqa: E731
+                                                      probe_conv)
     elif args.workload == "speed":
         history = 1500 if q else args.history
         per_round = sum(args.round_tokens) / 2 + 24
@@ -384,8 +395,7 @@ def main(argv: list[str] | None = None) -> None:
             questions.append([*conv.messages[:-1], {"role": "user", "content":
                               f"What is the {fact.key}? Answer with the number."}])
         cfg.update(history_rounds=rounds, questions=len(questions),
-                   history_tokens=len(tok.apply_chat_template(list(conv.messages),
-                                                              tokenize=True)))
+                   history_tokens=n_tokens(tok, conv.messages))
         budget = int(cfg["history_tokens"] * 1.5) + 2048
         total = len(rows) * args.rounds * (rounds + len(questions))
         work = lambda server, row, bar: play_speed(server, row, conv, questions, bar)  # noqa
@@ -393,8 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         n = args.conversations or (3 if q else 18)
         rr = (20, 24) if q else (20, 40)
         convs = recall_set(tok, n, rr, tuple(args.round_tokens), args.seed)
-        longest = max(len(tok.apply_chat_template(list(c.messages), tokenize=True))
-                      for c, _ in convs)
+        longest = max(n_tokens(tok, c.messages) for c, _ in convs)
         cfg.update(conversations=n, rounds_range=list(rr), longest_history=longest)
         budget = int(longest * 2) + 2048
         total = len(rows) * args.rounds * sum(c.rounds + len(a) for c, a in convs)

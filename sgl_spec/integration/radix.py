@@ -227,7 +227,8 @@ class SpecRadixCache(UnifiedRadixCache):
         if pool is None or not hasattr(pool, "get_kv_size_bytes"):
             return None
         k, v = pool.get_kv_size_bytes()
-        return {"slots": int(pool.size), "device_bytes": int(k) + int(v)}
+        return {"slots": int(pool.size), "used_slots": int(alloc.size - alloc.available_size()),
+                "device_bytes": int(k) + int(v)}
 
 
 class TaggedRadixCache(SpecRadixCache):

@@ -11,7 +11,10 @@ a ``RoundHistory``; the cache matches no further than they reach). Per forward p
   selects with the configured strategy (``select``), keeps round 0 (the system prompt)
   and loads the kept rounds' blocks into upper slots, one block copy per round
   (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
-  them (exact);
+  them (exact). Where the upper tier is full, the least important kept rounds are left
+  out (of this request at its selection, of the request keeping the most tokens when a
+  pass's new tokens need room), counted as ``trimmed_rounds``; only when the running
+  requests' own tokens fill the tier does a pass fail (``CapacityError``);
 * at the upper layers, extends and decodes attend the kept rounds and the request's own
   tokens (``extend_upper``, ``decode_upper``).
 
@@ -56,7 +59,8 @@ class _Req:
     history: RoundHistory  # the stored rounds it may attend (its matched path's)
     own_start: int  # first position whose upper KV this request computes
     row: int  # its req_to_token row
-    held: list[torch.Tensor] = field(default_factory=list)  # kept rounds' full slots, held
+    loaded: dict[int, torch.Tensor] = field(default_factory=dict)  # piece -> full slots held
+    rank: list[int] = field(default_factory=list)  # kept rounds, least important first
     # its own tokens' full slots, per pass, from own_start (held too). Not req_to_token's:
     # a checkpoint that finds some of them in the tree already points the row at the
     # tree's slots, whose upper KV is nowhere; these hold this request's.
@@ -98,7 +102,7 @@ class RoundRuntime:
         self.counts = {"selections": 0, "exact_selections": 0, "rounds_seen": 0,
                        "rounds_kept": 0, "tokens_seen": 0, "tokens_kept": 0,
                        "blocks_loaded": 0, "tokens_loaded": 0, "blocks_stored": 0,
-                       "unstored_tokens": 0}
+                       "unstored_tokens": 0, "trimmed_rounds": 0}
 
     # ---- from the radix cache ------------------------------------------------------
     def seed(self, rid: str, history: RoundHistory | None) -> None:
@@ -111,7 +115,7 @@ class RoundRuntime:
         self.seeds.pop(rid, None)
         st = self.states.pop(rid, None)
         if st is not None:
-            for full in (*st.held, *st.own):
+            for full in (*st.loaded.values(), *st.own):
                 self.tiers.slots.drop(full)
 
     @property
@@ -166,10 +170,9 @@ class RoundRuntime:
             loc = batch.out_cache_loc[at : at + n].long().clone()  # sglang reuses its buffer
             at += n
             if self.tiers.slots.acquire(loc) is None:
-                raise CapacityError(
-                    f"round mode: {n} tokens of request {rid} need upper slots, "
-                    f"{self.tiers.slots.available()} of {self.tiers.upper} are free; valid: a "
-                    "larger --spec-round-upper-tokens (0: the full pool's size)")
+                self._make_room(n, rid)
+                if self.tiers.slots.acquire(loc) is None:  # _make_room raised otherwise
+                    raise CapacityError("round mode: the upper tier's accounting is off")
             st.own.append(loc)
             if st.kept is None:
                 if st.history.rounds:
@@ -217,7 +220,7 @@ class RoundRuntime:
             groups = st.history.groups()
             cands = [g for g in groups if g != 0]
             if len(cands) < self.min_rounds:
-                kept_groups = list(groups)
+                ranked = cands  # all of them, the oldest the least important
                 self.counts["exact_selections"] += 1
             else:
                 qi = q[max(sp.q_start, sp.q_end - SCORE_QUERIES) : sp.q_end]
@@ -226,37 +229,71 @@ class RoundRuntime:
                 share = torch.stack([mass[groups[g]].sum() for g in cands])
                 share = share / share.sum().clamp_min(1e-30)
                 picked = select(share, self.how, self.recent)
-                kept_groups = ([0] if 0 in groups else []) + [cands[i] for i in picked]
-            st.kept = sorted(i for g in kept_groups for i in groups[g])
-            self._load(st, [rounds[i] for i in st.kept])
-            spans_kept = [(rounds[i].start, rounds[i].end) for i in st.kept]
-            st.kept_pos = kept_positions(spans_kept, range(len(spans_kept)))
+                ranked = [cands[i] for i in sorted(picked, key=lambda i: float(share[i]))]
+            ranked = ranked + ([0] if 0 in groups else [])  # round 0 the most important
+            st.rank = []
+            for g in reversed(ranked):  # most important first; what does not fit is left
+                if not self._load(st, {i: rounds[i] for i in groups[g]}):
+                    self.counts["trimmed_rounds"] += 1
+                    continue
+                st.rank.insert(0, g)
+            self._set_kept(st)
             total = st.history.end
             st.share = st.kept_pos.numel() / total if total else 1.0
             c = self.counts
             c["selections"] += 1
             c["rounds_seen"] += len(groups)
-            c["rounds_kept"] += len(kept_groups)
+            c["rounds_kept"] += len(st.rank)
             c["tokens_seen"] += total
             c["tokens_kept"] += st.kept_pos.numel()
 
-    def _load(self, st: _Req, pieces: list[StoredRound]) -> None:
-        k, v = self.tiers.upper_bufs()
-        for r in pieces:
-            full = self.req_to_token[st.row, r.start : r.end].long()
-            got = self.tiers.slots.acquire(full)
-            if got is None:
+    def _set_kept(self, st: _Req) -> None:
+        st.kept = sorted(st.loaded)
+        rounds = st.history.rounds
+        st.kept_pos = kept_positions([(rounds[i].start, rounds[i].end) for i in st.kept],
+                                     range(len(st.kept)))
+
+    def _make_room(self, n: int, rid: str) -> None:
+        """Free ``n`` upper slots for request ``rid``'s new tokens by dropping the least
+        important kept round of the running request that keeps the most tokens, round by
+        round (counted: ``trimmed_rounds``); CapacityError naming the flag when the running
+        requests' own tokens alone fill the tier."""
+        slots = self.tiers.slots
+        while slots.available() < n:
+            holders = [st for st in self.states.values() if st.rank]
+            if not holders:
                 raise CapacityError(
-                    f"round mode: round {r.round} ({r.tokens} tokens) needs upper slots, "
-                    f"{self.tiers.slots.available()} of {self.tiers.upper} are free; valid: a "
-                    "larger --spec-round-upper-tokens (0: the full pool's size)")
-            st.held.append(full)
+                    f"round mode: {n} tokens of request {rid} need upper slots and the "
+                    f"running requests' own tokens fill the upper tier ({self.tiers.upper} "
+                    "slots); valid: a larger --spec-round-upper-tokens (0: the full pool's "
+                    "size), or fewer concurrent requests (--max-running-requests)")
+            st = max(holders, key=lambda r: r.kept_pos.numel())
+            g = st.rank.pop(0)
+            for i in [i for i in st.loaded if st.history.rounds[i].round == g]:
+                slots.drop(st.loaded.pop(i))
+            self._set_kept(st)
+            self.counts["trimmed_rounds"] += 1
+            logger.warning("round mode: the upper tier is full; a running request attends "
+                           "one round fewer (--spec-round-upper-tokens sizes the tier)")
+
+    def _load(self, st: _Req, pieces: dict[int, StoredRound]) -> bool:
+        """Acquire and fill the upper slots of one round's pieces; False (nothing held)
+        where the tier has too few free slots for them."""
+        k, v = self.tiers.upper_bufs()
+        fulls = {i: self.req_to_token[st.row, r.start : r.end].long() for i, r in pieces.items()}
+        need = sum(int((~self.tiers.slots.mapped(f)).sum()) for f in fulls.values())
+        if need > self.tiers.slots.available():
+            return False
+        for i, r in pieces.items():
+            got = self.tiers.slots.acquire(fulls[i])
+            st.loaded[i] = fulls[i]
             upper, new = got
             if bool(new.any()):  # rows another running request loaded are shared
                 rows = torch.nonzero(new).flatten()
                 blocks.load(r.block, k, v, upper[new], rows=rows)
                 self.counts["blocks_loaded"] += 1
                 self.counts["tokens_loaded"] += rows.numel()
+        return True
 
     def extend_upper(self, plan: RoundPlan, b: int, sp, q: torch.Tensor,
                      k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float) -> torch.Tensor:
