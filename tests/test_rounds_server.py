@@ -16,7 +16,8 @@ from sgl_spec import boot
 from sgl_spec.bench.server import SPEC
 from sgl_spec.rounds.conversations import conversation
 
-pytestmark = [pytest.mark.server]
+pytestmark = [pytest.mark.server,
+              pytest.mark.skipif(boot.cuda_host(), reason="round mode serves on CPU hosts only")]
 
 WATERSHED = 12  # the default model's calibrated L_w (docs/results/2026-11-28-watershed.md)
 UPPER = TEST_POOL // 2
@@ -29,12 +30,13 @@ def _flags(model_path: str) -> list[str]:
             "--spec-round-min-rounds", str(MIN_ROUNDS)]
 
 
-if not boot.cuda_host():
-    EARLY_SERVERS["rounds_server"] = Early(SPEC, _flags)
+_ROUNDS = Early(SPEC, _flags)  # started by its tests, not beside the unit tests (memory:
+# see test_turn_cache_server's turn server)
 
 
 @pytest.fixture(scope="module")
 def rounds_server(model_path):
+    EARLY_SERVERS.setdefault("rounds_server", _ROUNDS)
     yield from early_server("rounds_server", model_path)
 
 
@@ -72,7 +74,7 @@ def test_few_rounds_attend_all_of_them_and_answer_as_exact(rounds_server, spec_s
 
 
 def test_a_long_conversation_selects_rounds_and_gives_every_slot_back(rounds_server, hf_tok):
-    conv = conversation(hf_tok, rounds=14, round_tokens=(60, 120), seed=12, asked=2)
+    conv = conversation(hf_tok, rounds=9, round_tokens=(60, 120), seed=12, asked=2)
     before = _tiers(rounds_server.url)
     cached, answer = _play(rounds_server.url, conv)
     assert answer and all(c > 0 for c in cached[1:])  # every later turn reuses its history
