@@ -71,6 +71,15 @@ def test_few_rounds_attend_all_of_them_and_answer_as_exact(rounds_server, spec_s
     t = _tiers(rounds_server.url)
     exact = t["exact_selections"] - before["exact_selections"]
     assert exact == t["selections"] - before["selections"] >= conv.rounds  # < 4 candidates
+    # A second question over the same history branches inside the first one's user turn:
+    # it reuses as many tokens as on the exact server (the stored rounds reach every
+    # turn's end, not only a round's).
+    other = [*conv.messages[:-1], {"role": "user", "content": "What is the first fact?"}]
+    again = [requests.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": "m", "messages": other, "max_tokens": 1, "temperature": 0}).json()["usage"]
+        ["prompt_tokens_details"]["cached_tokens"] for url in (rounds_server.url,
+                                                               spec_server.url)]
+    assert again[0] == again[1], again
 
 
 def test_a_long_conversation_selects_rounds_and_gives_every_slot_back(rounds_server, hf_tok):

@@ -138,7 +138,7 @@ class RoundRuntime:
             return []
         own = st.own_full()
         out, hist = [], st.history.plus(st.stored)
-        for rnd, s, e in _pieces(ids, up_to, lo, fmt):
+        for rnd, s, e, turns in _pieces(ids, up_to, lo, fmt):
             full = own[s - st.own_start : e - st.own_start]
             up = self.tiers.slots.translate(full)
             if bool((up < 0).any()):  # not this request's to store (never happens)
@@ -150,6 +150,7 @@ class RoundRuntime:
             piece = StoredRound(rnd, s, e, block)
             st.stored.append(piece)
             hist = hist.plus([piece])
+            out.extend((t, hist) for t in turns)  # a history serves any prefix of it
             out.append((e, hist))
             self.counts["blocks_stored"] += 1
         return out
@@ -330,21 +331,24 @@ class RoundRuntime:
         }
 
 
-def _pieces(ids, up_to: int, lo: int, fmt) -> list[tuple[int, int, int]]:
-    """(round, start, end) of the rounds in positions [lo, up_to) of ``ids``."""
+def _pieces(ids, up_to: int, lo: int, fmt) -> list[tuple[int, int, int, list[int]]]:
+    """(round, start, end, turn ends inside it) of the rounds in positions [lo, up_to) of
+    ``ids``: the tree cuts its nodes at turns, so a history is kept at every turn's end
+    (a later request that branches inside a turn finds the rounds before it)."""
     if fmt is None:
-        return [(0, lo, up_to)]
+        return [(0, lo, up_to, [])]
     from sgl_spec.cache.segment import segment
 
-    out: list[list[int]] = []
+    out: list[list] = []
     for sp in segment(ids[:up_to], fmt):
         s, e = max(sp.start, lo), min(sp.end, up_to)
         if s >= e:
             continue
         if out and out[-1][0] == sp.tag.round and out[-1][2] == s:
+            out[-1][3].append(s)
             out[-1][2] = e
         else:
-            out.append([sp.tag.round, s, e])
+            out.append([sp.tag.round, s, e, []])
     return [tuple(p) for p in out]
 
 
