@@ -10,6 +10,8 @@ Upgrading sglang means diffing this folder against the new release. It holds:
 * ``radix``, ``tree_core``, ``eviction``, ``tree_view``: the ``--radix-cache-backend
   sgl_spec`` cache (sglang's compiled tree core, or a turn-tagged Python core when a
   feature reads tags), its turn-aware eviction and the on-demand tree view;
+* ``platform``, ``tiered_pool``: round mode's layer-tiered MHA pool, through sglang's
+  platform plugin hook (active only with ``--spec-rounds``);
 * ``endpoint``: ``GET /sgl_spec/cache``; ``server_format``: the served model's turns;
 * ``cpu``: sglang 0.5.23 on hosts without CUDA (import hooks, HiCache on CPU, the
   ``sgl_kernel`` stand-in, torchvision's ops);
