@@ -53,6 +53,7 @@ class Lines(NamedTuple):
 class RequestHub:
     def __init__(self):
         self._listeners: list[Callable[[str], None]] = []
+        self._idle_listeners: list[Callable[[], None]] = []
         self._offered: OrderedDict[str, Lines] = OrderedDict()
         self._seeds: OrderedDict[str, tuple[Lines, int]] = OrderedDict()  # (lines, set in pass)
         self._pass = 0
@@ -62,6 +63,11 @@ class RequestHub:
     def add_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn not in self._listeners:
             self._listeners.append(fn)
+
+    def add_idle_listener(self, fn: Callable[[], None]) -> None:
+        """``fn()`` when ``idle`` is called (seeds kept elsewhere: round mode's)."""
+        if fn not in self._idle_listeners:
+            self._idle_listeners.append(fn)
 
     def remove_release_listener(self, fn: Callable[[str], None]) -> None:
         if fn in self._listeners:
@@ -99,6 +105,8 @@ class RequestHub:
         (those of requests aborted in the queue, which are never released)."""
         self._offered.clear()
         self._seeds.clear()
+        for fn in self._idle_listeners:
+            fn()
 
     def release(self, rid: str) -> None:
         """The request's KV row is given back: drop everything kept for it."""

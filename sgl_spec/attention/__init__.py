@@ -74,6 +74,8 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         r = cfg.rounds
         rounds = RoundRuntime(tiers, r.strategy, r.recent, r.min_rounds)
         hub.add_release_listener(rounds.release)
+        hub.add_idle_listener(rounds.idle)
+        hub.add_live_source("round_seeds", lambda: len(rounds.seeds))
         hub.add_live_source("round_working_sets", lambda: rounds.live_states)
         hub.add_live_source("round_upper_slots", lambda: rounds.tiers.slots.used())
     logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s%s", cfg.decode.mode,

@@ -118,6 +118,11 @@ class RoundRuntime:
             for full in (*st.loaded.values(), *st.own):
                 self.tiers.slots.drop(full)
 
+    def idle(self) -> None:
+        """No request runs or waits: drop the seeds of requests matched and then aborted
+        in the queue (never planned, never released)."""
+        self.seeds.clear()
+
     @property
     def live_states(self) -> int:
         return len(self.states)
