@@ -68,7 +68,6 @@ class _Req:
     kept: list[int] | None = None  # indices into history.rounds (None: not selected yet)
     kept_pos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     stored: list[StoredRound] = field(default_factory=list)  # its own rounds, stored
-    share: float = 1.0  # kept tokens / stored tokens (k/T)
 
     def own_full(self) -> torch.Tensor:
         """Full slots of positions own_start, own_start + 1, ... (this request's)."""
@@ -245,7 +244,6 @@ class RoundRuntime:
                 st.rank.insert(0, g)
             self._set_kept(st)
             total = st.history.end
-            st.share = st.kept_pos.numel() / total if total else 1.0
             c = self.counts
             c["selections"] += 1
             c["rounds_seen"] += len(groups)
