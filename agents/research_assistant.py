@@ -322,19 +322,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"how many sub-questions to plan ({MIN_SUB_QUESTIONS}-{MAX_SUB_QUESTIONS})")
     p.add_argument("--chat-template", default=None,
                    help="sglang chat template name (default: picked from the model path)")
+    for kind in ("plan", "answer", "report", "follow-up"):
+        field = kind.replace("-", "_") + "_tokens"
+        p.add_argument(f"--{kind}-tokens", type=int, default=getattr(AgentConfig, field),
+                       help=f"most tokens each {kind} call generates (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.max_doc_chars <= 0:
-        raise ValueError(f"--max-doc-chars={args.max_doc_chars} must be positive")
+        parser.error(f"--max-doc-chars={args.max_doc_chars} must be positive")
+    try:
+        config = AgentConfig(max_sub_questions=args.sub_questions,
+                             plan_tokens=args.plan_tokens, answer_tokens=args.answer_tokens,
+                             report_tokens=args.report_tokens,
+                             follow_up_tokens=args.follow_up_tokens)
+    except ValueError as exc:  # names the field and the valid values
+        parser.error(str(exc))
     result = run_research(
         f"http://{args.host}:{args.port}",
         load_document(args.doc, args.max_doc_chars),
         question=args.question,
-        config=AgentConfig(max_sub_questions=args.sub_questions),
+        config=config,
         follow_up=args.follow_up,
         chat_template=args.chat_template,
     )

@@ -131,6 +131,21 @@ def _loopserve_flags(model_path: str) -> list[str]:
             "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", "600"]
 
 
+SMALL_BUDGET_MIN = 256  # the small-budget loopserve server's sparse decode and prefill floor
+
+
+def _small_budget_flags(model_path: str) -> list[str]:
+    """LoopServe at a small budget (64, nd 16) from 256 tokens of history, with
+    --spec-sparse-kv-cache drop, and sparse prefill of extends from 256 new tokens: the
+    sparse-decode tests' long prompts and the abort storm's requests take both paths,
+    their short probes neither."""
+    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
+            "--spec-mode", "loopserve", "--spec-budget", "64",
+            "--spec-min-context", str(SMALL_BUDGET_MIN), "--enable-metrics",
+            "--spec-sparse-kv-cache", "drop",
+            "--spec-prefill", "loopserve", "--spec-prefill-min-tokens", str(SMALL_BUDGET_MIN)]
+
+
 SPECONTEXT_BUDGET = 64
 
 
@@ -166,9 +181,13 @@ class Early(NamedTuple):
     flags: Callable[[str], list[str]]
     env: Callable[[str], dict[str, str]] | None = None
     prepares: bool = False  # flags() trains or measures something first: launched last
-    # HiCache: its host pool starts only where 10 GiB of host memory stay free (sglang's
-    # reserve), so these go before the others fill the memory
+    # HiCache: its host pool is sized from the host memory free at its start, so these
+    # go one at a time, before the others fill the memory
     host_tier: bool = False
+    # not launched with the unit tests (ten float32 servers at once already fill the
+    # memory) but when the module before its first test starts, once the module-scoped
+    # servers of the modules before that have stopped: it boots while that module runs
+    lazy: bool = False
 
     def server(self, model_path: str, log_path: str | None = None) -> ServerProcess:
         env = self.env(model_path) if self.env else None
@@ -179,9 +198,12 @@ EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
     "spec_server": Early(SPEC, _spec_flags),
     "stock_server": Early(STOCK, _stock_flags),
     "loopserve_server": Early(SPEC, _loopserve_flags),
+    "small_budget_server": Early(SPEC, _small_budget_flags),
     "specontext_server": Early(SPEC, _specontext_flags, prepares=True, host_tier=True),
 }
 _launched: dict[str, ServerProcess] = {}
+_lazy_at: dict[str, list[str]] = {}  # node id -> the lazy servers launched as it starts
+_model: list[str] = []
 _launch_failed: dict[str, BaseException] = {}
 _launching: dict[str, threading.Event] = {}
 _base_dir: list[Path] = []
@@ -252,8 +274,9 @@ def pytest_collection_modifyitems(config, items):
 def _launch_order() -> dict[str, int]:
     """The shared servers in the order the launch thread boots them: HiCache ones first
     (one at a time, each healthy before the next), those that prepare something last."""
-    names = sorted(EARLY_SERVERS, key=lambda n: (not EARLY_SERVERS[n].host_tier,
-                                                  EARLY_SERVERS[n].prepares))
+    early = [n for n in EARLY_SERVERS if not EARLY_SERVERS[n].lazy]
+    names = sorted(early, key=lambda n: (not EARLY_SERVERS[n].host_tier,
+                                         EARLY_SERVERS[n].prepares))
     return {name: i for i, name in enumerate(names)}
 
 
@@ -285,7 +308,10 @@ def pytest_collection_finish(session):
     from sgl_spec.prepare_model import prepare
 
     model = prepare()
+    _model.append(model)
     logs = session.config._tmp_path_factory.mktemp("logs")
+    _plan_lazy(session.items, [n for n in wanted if EARLY_SERVERS[n].lazy])
+    wanted = [n for n in wanted if not EARLY_SERVERS[n].lazy]
     if not _base_dir:
         _base_dir.append(session.config._tmp_path_factory.mktemp("early"))
     order = _launch_order()
@@ -309,6 +335,27 @@ def pytest_collection_finish(session):
         _session_over.wait()
 
     threading.Thread(target=launch_all, name="early-servers", daemon=True).start()
+
+
+def _plan_lazy(items, names: list[str]) -> None:
+    """Each lazy server launches as the first test of the module before its first user
+    starts (``pytest_runtest_setup``), passing over modules that are themselves a lazy
+    server's first user (two lazy servers in a row boot together); a first user at the
+    very start launches it there."""
+    mod = [it.nodeid.split("::")[0] for it in items]
+    firsts = {name: next(i for i, it in enumerate(items)
+                         if name in getattr(it, "fixturenames", ())) for name in names}
+    lazy_mods = {mod[i] for i in firsts.values()}
+    for name, at in firsts.items():
+        while at > 0 and (mod[at - 1] == mod[at] or mod[at] in lazy_mods):
+            at -= 1
+        _lazy_at.setdefault(items[at].nodeid, []).append(name)
+
+
+def pytest_runtest_setup(item):
+    for name in _lazy_at.pop(item.nodeid, ()):
+        if name not in _launched:
+            _launched[name] = EARLY_SERVERS[name].server(_model[0]).launch()
 
 
 def pytest_sessionfinish(session):
@@ -335,6 +382,13 @@ def stock_server(model_path):
 def loopserve_server(model_path):
     """One LoopServe server for the sparse decode and prefill tests (_loopserve_flags)."""
     yield from early_server("loopserve_server", model_path)
+
+
+@pytest.fixture(scope="session")
+def small_budget_server(model_path):
+    """LoopServe at a small budget with sparse prefill (_small_budget_flags), for the
+    sparse-decode tests and the abort storm's."""
+    yield from early_server("small_budget_server", model_path)
 
 
 @pytest.fixture(scope="session")

@@ -22,33 +22,12 @@ import pytest
 import requests
 
 from _aborts import wait_until_freed
-from conftest import COMMON_FLAGS, EARLY_SERVERS, SPARSE_ALWAYS, SPEC_CHECKS, Early, early_server
 from sgl_spec import corpus
 from sgl_spec.bench import aborts
 from sgl_spec.bench.agreement import divergence
 from sgl_spec.bench.server import SPEC, flush_cache
 
 pytestmark = [pytest.mark.server]
-
-MIN_TOKENS = 256  # the loopserve server's sparse prefill and decode thresholds
-
-
-def _loopserve_flags(model_path: str) -> list[str]:
-    """Sparse prefill of extends from 256 new tokens, sparse decode (B=128) from 256
-    tokens of history: the storm's requests take both, the probes neither."""
-    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
-            "--spec-mode", "loopserve", "--spec-budget", "128",
-            "--spec-min-context", str(MIN_TOKENS), "--spec-prefill", "loopserve",
-            "--spec-prefill-min-tokens", str(MIN_TOKENS)]
-
-
-EARLY_SERVERS["storm_loopserve_server"] = Early(SPEC, _loopserve_flags)
-
-
-@pytest.fixture(scope="module")
-def storm_loopserve_server(model_path):
-    yield from early_server("storm_loopserve_server", model_path)
-
 
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
@@ -82,7 +61,7 @@ def storm(url: str, shared: str, docs: list[str], seed: int) -> list[int]:
     return statuses
 
 
-SERVERS = ["spec_server", "storm_loopserve_server", "specontext_server"]
+SERVERS = ["spec_server", "small_budget_server", "specontext_server"]
 
 
 @pytest.mark.parametrize("name", SERVERS, ids=["exact", "loopserve", "specontext"])

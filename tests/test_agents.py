@@ -118,7 +118,7 @@ def test_agent_cli_json(spec_server):
     out = subprocess.run(
         [sys.executable, "-m", "sgl_spec.agents.research_assistant",
          "--port", str(spec_server.port), "--sub-questions", "2", "--max-doc-chars", "2000",
-         "--json"],
+         "--answer-tokens", "24", "--report-tokens", "32", "--json"],
         capture_output=True, text=True, timeout=1200, env=dict(os.environ),
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -131,3 +131,15 @@ def test_agent_cli_json(spec_server):
     assert data["cached_tokens"] == sum(c["cached_tokens"] for c in data["calls"])
     assert data["hit_ratio"] == pytest.approx(data["cached_tokens"] / data["prompt_tokens"])
     assert all(c["cached_tokens"] > 0 for c in data["calls"][1:3])
+
+
+@pytest.mark.parametrize("argv", [["--answer-tokens", "0"], ["--sub-questions", "9"],
+                                  ["--max-doc-chars", "-1"]])
+def test_cli_bad_values_exit_2_naming_the_flag(argv, capsys):
+    from sgl_spec.agents import research_assistant
+
+    with pytest.raises(SystemExit) as exc:
+        research_assistant.main(["--port", "1", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be positive" in err or "valid: 2..4" in err

@@ -30,13 +30,12 @@ def _flags(model_path: str) -> list[str]:
             "--spec-round-min-rounds", str(MIN_ROUNDS)]
 
 
-_ROUNDS = Early(SPEC, _flags)  # started by its tests, not beside the unit tests (memory:
-# see test_turn_cache_server's turn server)
+if not boot.cuda_host():  # launched lazily (conftest), as the module before its tests starts
+    EARLY_SERVERS["rounds_server"] = Early(SPEC, _flags, lazy=True)
 
 
 @pytest.fixture(scope="module")
 def rounds_server(model_path):
-    EARLY_SERVERS.setdefault("rounds_server", _ROUNDS)
     yield from early_server("rounds_server", model_path)
 
 

@@ -18,7 +18,6 @@ import torch
 
 from _aborts import abort_streams, live_requests, wait_until_freed
 from _sparse import SHAPE, FakePool, decode_step
-from conftest import COMMON_FLAGS, EARLY_SERVERS, SPARSE_ALWAYS, SPEC_CHECKS, Early, early_server
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.core import AttentionCore
 from sgl_spec.attention.decode import Decoder
@@ -424,24 +423,11 @@ class TestBudgetCoversHistory:
         assert after["sgl_spec:sparse_live_states"] == 0
 
 
-def _small_budget_flags(model_path: str) -> list[str]:
-    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
-            "--spec-mode", "loopserve", "--spec-budget", "64", "--spec-min-context", "256", "--enable-metrics",
-            "--spec-sparse-kv-cache", "drop"]
-
-
-EARLY_SERVERS["small_budget_server"] = Early(SPEC, _small_budget_flags)  # boots with the unit tests
-
-
 @pytest.mark.server
 class TestSmallBudget:
-    """loopserve with --spec-budget 64 --spec-min-context 256 (nd 16), and
-    --spec-sparse-kv-cache drop."""
-
-    @pytest.fixture(scope="class")
-    @classmethod
-    def small_budget_server(cls, model_path):
-        yield from early_server("small_budget_server", model_path)
+    """loopserve with --spec-budget 64 --spec-min-context 256 (nd 16),
+    --spec-sparse-kv-cache drop, and sparse prefill from 256 tokens (conftest's
+    small_budget_server)."""
 
     def test_long_prompt_decodes_sparse_and_reselects(self, small_budget_server):
         prompt = chatml("What does this module do?\n" + _doc("json", 5000))

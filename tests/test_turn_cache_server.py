@@ -114,13 +114,12 @@ def _turn_flags(model_path: str) -> list[str]:
             "--max-total-tokens", str(POOL), "--enable-metrics", "--api-key", KEY]
 
 
-_TURN = Early(SPEC, _turn_flags)  # started by its tests, not beside the unit tests: ten
-# float32 servers at once leave the last one to boot no memory for its KV pool
+EARLY_SERVERS["turn_server"] = Early(SPEC, _turn_flags, lazy=True)  # not beside the unit
+# tests: ten float32 servers at once leave the last one to boot no memory for its KV pool
 
 
 @pytest.fixture(scope="module")
 def turn_server(model_path):
-    EARLY_SERVERS.setdefault("turn_server", _TURN)
     yield from early_server("turn_server", model_path)
 
 
