@@ -14,7 +14,6 @@ from sgl_spec.agents.research_assistant import (
     AgentConfig,
     load_document,
     parse_sub_questions,
-    run_research,
     stdlib_document,
     truncate,
 )
@@ -83,54 +82,38 @@ def test_config_rejects_bad_sub_question_count(n):
 
 
 @pytest.mark.server
-def test_agent_end_to_end(spec_server):
-    # Shorter generations than the CLI's defaults (CPU time); the calls are the same.
-    config = AgentConfig(answer_tokens=32, report_tokens=64, follow_up_tokens=32)
-    result = run_research(spec_server.url, load_document(None), config=config,
-                          follow_up="Which function removes common leading whitespace?")
-
-    # Fork/join happened: one non-empty answer per sub-question, then a report.
-    assert 2 <= len(result.sub_questions) == len(result.sub_answers) <= 4
-    assert all(a.strip() for a in result.sub_answers)
-    assert result.report.strip()
-    assert result.follow_up and result.follow_up.strip()
-
-    names = [c.name for c in result.calls]
-    assert names == ["plan", *[f"answer[{i}]" for i in range(len(result.sub_answers))],
-                     "report", "follow_up"]
-    calls = {c.name: c for c in result.calls}
-    plan = calls["plan"]
-    assert plan.prompt_tokens > 500  # the document is in the prompt
-    for i in range(len(result.sub_answers)):
-        fork = calls[f"answer[{i}]"]
-        # The fork shares the document + plan prefix: at least the whole plan prompt is cached.
-        assert fork.cached_tokens >= plan.prompt_tokens, fork
-        assert fork.prompt_tokens > fork.cached_tokens
-        assert fork.completion_tokens > 0
-    # The report and the follow-up extend the main conversation, which stays cached.
-    assert calls["report"].cached_tokens >= plan.prompt_tokens
-    assert calls["follow_up"].cached_tokens >= calls["report"].cached_tokens
-    assert result.hit_ratio > 0.5
-
-
-@pytest.mark.server
-def test_agent_cli_json(spec_server):
+def test_agent_end_to_end_through_the_cli(spec_server):
+    """The agent as a user runs it (``--json``), with shorter generations than its
+    defaults (CPU time); the calls are the same."""
     out = subprocess.run(
         [sys.executable, "-m", "sgl_spec.agents.research_assistant",
-         "--port", str(spec_server.port), "--sub-questions", "2", "--max-doc-chars", "2000",
-         "--answer-tokens", "24", "--report-tokens", "32", "--json"],
+         "--port", str(spec_server.port), "--sub-questions", "2", "--max-doc-chars", "2400",
+         "--answer-tokens", "24", "--report-tokens", "32", "--follow-up-tokens", "24",
+         "--follow-up", "Which function removes common leading whitespace?", "--json"],
         capture_output=True, text=True, timeout=1200, env=dict(os.environ),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)
+    # Fork/join happened: one non-empty answer per sub-question, then a report.
     assert len(data["sub_questions"]) == len(data["sub_answers"]) == 2
     assert all(a.strip() for a in data["sub_answers"]) and data["report"].strip()
-    assert data["follow_up"] is None
-    assert [c["name"] for c in data["calls"]] == ["plan", "answer[0]", "answer[1]", "report"]
+    assert data["follow_up"] and data["follow_up"].strip()
+    calls = {c["name"]: c for c in data["calls"]}
+    assert list(calls) == ["plan", "answer[0]", "answer[1]", "report", "follow_up"]
     assert data["prompt_tokens"] == sum(c["prompt_tokens"] for c in data["calls"])
     assert data["cached_tokens"] == sum(c["cached_tokens"] for c in data["calls"])
     assert data["hit_ratio"] == pytest.approx(data["cached_tokens"] / data["prompt_tokens"])
-    assert all(c["cached_tokens"] > 0 for c in data["calls"][1:3])
+    plan = calls["plan"]
+    assert plan["prompt_tokens"] > 400  # the document is in the prompt
+    for i in range(2):
+        fork = calls[f"answer[{i}]"]
+        # The fork shares the document + plan prefix: at least the whole plan prompt is cached.
+        assert fork["cached_tokens"] >= plan["prompt_tokens"], fork
+        assert fork["prompt_tokens"] > fork["cached_tokens"] and fork["completion_tokens"] > 0
+    # The report and the follow-up extend the main conversation, which stays cached.
+    assert calls["report"]["cached_tokens"] >= plan["prompt_tokens"]
+    assert calls["follow_up"]["cached_tokens"] >= calls["report"]["cached_tokens"]
+    assert data["hit_ratio"] > 0.5
 
 
 @pytest.mark.parametrize("argv", [["--answer-tokens", "0"], ["--sub-questions", "9"],

@@ -19,7 +19,7 @@ import torch
 from conftest import EARLY_SERVERS, Early, early_server
 from sgl_spec.bench.server import STOCK, tail
 from sgl_spec import boot
-from sgl_spec.integration.cpu.hicache import (
+from sgl_spec.integration.tiers.hicache_cpu import (
     alloc_host_buffer_cpu,
     check_cpu_hicache_io,
     cpu_host_memory_reserve_bytes,

@@ -1,5 +1,5 @@
 """``--spec-krul`` off leaves sglang's host pool class as it is; on, the MHA pool is
-Krul's (``sgl_spec.integration.krul.patch_host_pool``)."""
+Krul's (``sgl_spec.integration.tiers.krul.patch_host_pool``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from sgl_spec.config import KrulConfig, SpecConfig
 def _assembler():
     """A stand-in for sglang's ``hybrid_pool_assembler``: what it picks for MHA (the
     class the integration package imported from sglang)."""
-    from sgl_spec.integration.krul import MHATokenToKVPoolHost
+    from sgl_spec.integration.tiers.krul import MHATokenToKVPoolHost
 
     stock = lambda info: MHATokenToKVPoolHost  # noqa: E731
     return types.SimpleNamespace(get_mha_host_pool_cls=stock), stock
@@ -22,7 +22,7 @@ def _assembler():
 @pytest.mark.parametrize("cfg", [SpecConfig(), SpecConfig(disable=True)],
                          ids=["default", "disable"])
 def test_without_krul_the_host_pool_class_is_stock(monkeypatch, cfg):
-    from sgl_spec.integration import krul
+    from sgl_spec.integration.tiers import krul
 
     monkeypatch.setattr(krul, "current", lambda: cfg)
     module, stock = _assembler()
@@ -32,7 +32,7 @@ def test_without_krul_the_host_pool_class_is_stock(monkeypatch, cfg):
 
 
 def test_with_krul_the_mha_host_pool_is_krul_s_and_patched_once(monkeypatch):
-    from sgl_spec.integration import krul
+    from sgl_spec.integration.tiers import krul
 
     monkeypatch.setattr(krul, "current", lambda: SpecConfig(krul=KrulConfig(enable=True)))
     module, _ = _assembler()

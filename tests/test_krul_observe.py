@@ -213,7 +213,7 @@ def sim_of(value: float) -> Similarity:
 
 
 def test_a_node_reads_the_deepest_statistics_of_each_branch_below_it():
-    from sgl_spec.integration.krul import conversation_stats
+    from sgl_spec.integration.tiers.krul import conversation_stats
 
     root = node()
     doc = node(root)                                  # a shared document

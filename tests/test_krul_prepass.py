@@ -115,8 +115,8 @@ def test_restore_plan_reads_the_unstored_extents_of_the_host_only_nodes():
     pytest.importorskip("sglang")
     from types import SimpleNamespace
 
-    from sgl_spec.integration.krul_restore import BASE_COMPONENT_TYPE, plan
-    from sgl_spec.krul.arena import Arena
+    from sgl_spec.integration.tiers.krul_restore import BASE_COMPONENT_TYPE, plan
+    from sgl_spec.tiers.arena import Arena
     from sgl_spec.krul.select import Strategy
 
     L, lens = 4, (5, 6, 9)

@@ -17,7 +17,7 @@ from sgl_spec import boot
 from sgl_spec import cpu as host_cpu
 from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC, flush_cache
-from sgl_spec.cache import restore_clock
+from sgl_spec.tiers import restore_clock
 from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,

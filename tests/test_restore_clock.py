@@ -1,10 +1,10 @@
-"""The host-tier restore stage's clock (``sgl_spec.cache.restore_clock``)."""
+"""The host-tier restore stage's clock (``sgl_spec.tiers.restore_clock``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sgl_spec.cache.restore_clock import FIGURES, RestoreClock, delta
+from sgl_spec.tiers.restore_clock import FIGURES, RestoreClock, delta
 
 
 def test_clock_counts_admitted_refused_and_failed_loads_and_their_time():

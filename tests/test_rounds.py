@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -108,19 +106,20 @@ def test_round_spans_are_the_earlier_rounds_of_the_chat(hf_tok):
 
 
 @pytest.mark.slow
-def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path, tmp_path):
+def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path, tmp_path,
+                                                                     capsys):
+    from sgl_spec.calibrate.__main__ import main
+
     out = tmp_path / "ws.json"
-    run = subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "watershed",
-                          "--model-path", model_path, "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    assert main(["watershed", "--model-path", model_path, "--quick", "--out", str(out)]) == 0
+    run = capsys.readouterr()
     prof = json.loads(out.read_text())
     assert prof["layers"] == 30 and len(prof["curve"]) == 29 and len(prof["curves"]) == 3
     assert all(k >= 0 for k in prof["curve"])
     assert prof["watershed"] == watershed.find_watershed(prof["curve"])
-    assert "mean KL to later layers" in run.stdout and run.stdout.strip().endswith(str(out))
+    assert "mean KL to later layers" in run.out and run.out.strip().endswith(str(out))
     assert (tmp_path / "ws.png").stat().st_size > 0
-    assert "watershed: conversations" in run.stderr  # the progress bar
+    assert "watershed: conversations" in run.err  # the progress bar
 
 
 @pytest.mark.parametrize("impl", ["torch", "cpu"])

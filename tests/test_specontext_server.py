@@ -13,7 +13,7 @@ import requests
 from _aborts import abort_streams, wait_until_freed
 from sgl_spec.bench import sparse_counters
 from sgl_spec.bench.server import SPEC, flush_cache
-from sgl_spec.cache import restore_clock
+from sgl_spec.tiers import restore_clock
 from test_sparse_backend import EXACT, SPARSE, _doc, chatml, delta, generate, sparse_metrics
 
 from conftest import SPECONTEXT_BUDGET as BUDGET

@@ -37,7 +37,7 @@ import torch
 
 from sgl_spec.bench import cli, render
 from sgl_spec.bench.timing import samples_s, spread
-from sgl_spec.krul.arena import Arena
+from sgl_spec.tiers.arena import Arena
 from sgl_spec.krul.codec import FullStore, RowStore, codec_class
 
 H, D = 3, 64

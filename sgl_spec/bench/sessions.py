@@ -59,7 +59,7 @@ from sgl_spec.bench import cli, render, timing
 from sgl_spec.bench.dataset import COLOURS, KINDS, OBJECTS, POSITIONS, Fact, draw_values
 from sgl_spec.bench.scoring import exact_match
 from sgl_spec.bench.server import SPEC, ServerProcess
-from sgl_spec.cache import restore_clock
+from sgl_spec.tiers import restore_clock
 
 MAX_NEW_TOKENS = 16
 OPENING = "Here is the output of the document tool. Read it; I will ask about it."

@@ -10,11 +10,13 @@ Upgrading sglang means diffing this folder against the new release. It holds:
 * ``radix``, ``tree_core``, ``eviction``, ``tree_view``: the ``--radix-cache-backend
   sgl_spec`` cache (sglang's compiled tree core, or a turn-tagged Python core when a
   feature reads tags), its turn-aware eviction and the on-demand tree view;
-* ``platform``, ``tiered_pool``: round mode's layer-tiered MHA pool, through sglang's
-  platform plugin hook (active only with ``--spec-rounds``);
+* ``tiers``: KV across tiers inside sglang: round mode's layer-tiered MHA pool through
+  sglang's platform plugin hook (``tiered_pool``, ``platform``; active only with
+  ``--spec-rounds``), Krul's host pool and restore (``krul``, ``krul_restore``) and
+  HiCache's transfers on CPU (``hicache_cpu``); their torch side is ``sgl_spec.tiers``;
 * ``endpoint``: ``GET /sgl_spec/cache``; ``server_format``: the served model's turns;
-* ``cpu``: sglang 0.5.23 on hosts without CUDA (import hooks, HiCache on CPU, the
-  ``sgl_kernel`` stand-in, torchvision's ops);
+* ``cpu``: sglang 0.5.23 on hosts without CUDA (import hooks, the ``sgl_kernel``
+  stand-in, torchvision's ops);
 * ``standalone``: sglang's components built outside a server, for benchmarks and tests.
 
 Importing this package checks the installed sglang against the pinned version, once;

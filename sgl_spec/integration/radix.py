@@ -40,7 +40,7 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sgl_spec.cache.metrics import CacheMetrics
-from sgl_spec.cache.restore_clock import RestoreClock
+from sgl_spec.tiers.restore_clock import RestoreClock
 from sgl_spec.cache.summary import summary, totals
 from sgl_spec.cache.turn_format import TurnFormat
 from sgl_spec.config import SpecConfig, current
@@ -254,7 +254,7 @@ class TaggedRadixCache(SpecRadixCache):
         super().__init__(params, fmt, cfg, links)
         self.krul = None
         if cfg.krul.enable:
-            from .krul import KRUL, Compressor
+            from .tiers.krul import KRUL, Compressor
 
             self.krul = self.tree_core.krul = Compressor(self, cfg.krul, self.links.runner,
                                                          self.links.observer)
@@ -356,7 +356,7 @@ class TaggedRadixCache(SpecRadixCache):
         pool = self.krul.pool() if self.krul is not None else None
         if pool is None or component_type != ComponentType.FULL:
             return super().evict_host(num_tokens, component_type)
-        from sgl_spec.krul.arena import evict_for_bytes
+        from sgl_spec.tiers.arena import evict_for_bytes
 
         stock = super().evict_host
         return evict_for_bytes(pool.available_size, lambda n: stock(n, component_type),

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_
 
 from sgl_spec.cache.summary import Segment
 
-from .krul import KRUL
+from .tiers.krul import KRUL
 
 
 def _tier(node) -> str | None:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .arena import Arena
+from sgl_spec.tiers.arena import Arena
 from .pyramid import RestoreCost, choose_share, pyramid, times
 
 TIERS = ("host", "file")

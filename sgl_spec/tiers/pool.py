@@ -3,7 +3,7 @@
 ``Tiers`` holds the per-layer K/V buffers of a pool whose layers from ``split`` up (local
 indices) have ``upper`` slots plus one scratch row, the ``UpperSlots`` map from the full
 pool's slots, and reports the device bytes of each tier (read from the buffers). The pool
-(``sgl_spec.integration.tiered_pool``) owns the buffers; the round runtime
+(``sgl_spec.integration.tiers.tiered_pool``) owns the buffers; the round runtime
 (``sgl_spec.rounds.runtime``) assigns and drops upper slots through ``slots``.
 """
 

@@ -21,7 +21,7 @@ torchvision is imported:
   head (``--spec-mode specontext``) its MHA pool gets the head's layer
   (:mod:`sgl_spec.integration.head`).
 * after ``mem_cache.hybrid_cache.hybrid_pool_assembler`` executes (every host): with
-  ``--spec-krul`` the MHA host pool is Krul's (:mod:`sgl_spec.integration.krul`).
+  ``--spec-krul`` the MHA host pool is Krul's (:mod:`sgl_spec.integration.tiers.krul`).
 
 Hooks run only when the named module is imported, so processes that never touch
 sglang pay nothing but this finder's dictionary look-ups.
@@ -69,14 +69,14 @@ AFTER: dict[str, _Hook] = {
     "sglang.srt.mem_cache.kv_cache_configurator":
         _lazy("sgl_spec.integration.head:patch_kv_pool"),
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler":
-        _lazy("sgl_spec.integration.krul:patch_host_pool"),
+        _lazy("sgl_spec.integration.tiers.krul:patch_host_pool"),
     "sglang.srt.managers.data_parallel_controller":
         _lazy("sgl_spec.integration.dp_dispatch:patch_controller"),
     "sglang.srt.managers.scheduler_components.invariant_checker":
         _lazy("sgl_spec.integration.invariants:patch_checker"),
 }
 # Hooks active only on hosts without CUDA.
-_HICACHE = "sgl_spec.integration.cpu.hicache"
+_HICACHE = "sgl_spec.integration.tiers.hicache_cpu"
 _CPU_BEFORE: dict[str, _Hook] = {
     "torchvision": _lazy("sgl_spec.integration.cpu.torchvision_ops:ensure_ops"),
 }

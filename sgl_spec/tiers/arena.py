@@ -24,9 +24,9 @@ import xxhash
 
 from sgl_spec.tiers.free_list import FreeList
 
-from .codec import codec_class
-from .merge import MergeParams, merge, pair_retained, reconstruction_error
-from .select import Strategy
+from sgl_spec.krul.codec import codec_class
+from sgl_spec.krul.merge import MergeParams, merge, pair_retained, reconstruction_error
+from sgl_spec.krul.select import Strategy
 
 UNSTORED = -1
 _FREE = -1 << 30          # a free slot's map entries (never read)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_spec.krul.arena import UNSTORED, Arena
+from sgl_spec.tiers.arena import UNSTORED, Arena
 from sgl_spec.krul.merge import MergeParams
 from sgl_spec.krul.select import Strategy
 
@@ -147,7 +147,7 @@ def test_hashing_rows_in_place_equals_hashing_their_gather(rows):
     import numpy as np
     import xxhash
 
-    from sgl_spec.krul.arena import _hash_rows
+    from sgl_spec.tiers.arena import _hash_rows
 
     g = np.random.default_rng(0)
     bufs = [g.integers(0, 256, (100, w), dtype=np.uint8) for w in (16, 4, 8)]
@@ -323,7 +323,7 @@ def test_an_unlike_pair_is_rejected_on_a_sample_and_a_like_one_still_merges():
 def test_host_eviction_is_byte_driven():
     """A compressed node of 10 tokens frees ~4 full-size tokens: eviction goes on until
     the arena can take what was asked, and reports full-size tokens freed."""
-    from sgl_spec.krul.arena import evict_for_bytes
+    from sgl_spec.tiers.arena import evict_for_bytes
 
     free = [0]
     nodes = [10, 10, 10, 10]           # tokens per host node, each stored at 0.4x

@@ -293,7 +293,7 @@ def _resolve_hicache_on_cpu(server_args, previous) -> None:
         )
         declare_resolution(
             server_args,
-            "sgl_spec.integration.cpu.hicache",
+            "sgl_spec.integration.tiers.hicache_cpu",
             hicache_io_backend=io,
             hicache_mem_layout=layout,
         )

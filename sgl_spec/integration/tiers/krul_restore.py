@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_
 
 from sgl_spec.attention.extend import exact_extend
 from sgl_spec.krul import prepass
-from sgl_spec.krul.arena import UNSTORED
+from sgl_spec.tiers.arena import UNSTORED
 from sgl_spec.krul.pyramid import restore_lengths
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ the host tier's copies.
 
 * ``KrulHostPool`` (``patch_host_pool``, an import hook on sglang's
   ``hybrid_pool_assembler``, only with ``--spec-krul``): sglang's MHA host pool whose
-  token slots are logical, backed by ``sgl_spec.krul.arena.Arena`` rows shared by every
+  token slots are logical, backed by ``sgl_spec.tiers.arena.Arena`` rows shared by every
   layer, in the same byte budget as stock's pool. Backup and load go through the
   arena; a merged row is loaded as direction x the layer's magnitude.
 * ``Compressor``: once a node's host copy is complete (its write-through acknowledged;
@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.unified_cache.unified_tree_core import BASE_COMPONENT_
 
 from sgl_spec import envs
 from sgl_spec.config import KrulConfig, current
-from sgl_spec.krul.arena import Arena, Compressed
+from sgl_spec.tiers.arena import Arena, Compressed
 from sgl_spec.krul.codec import codec_class
 from sgl_spec.krul.merge import MergeParams
 from sgl_spec.krul.pyramid import pyramid
@@ -188,7 +188,7 @@ class KrulMeta:
 
 def model_layers(pool_layers: int) -> int:
     """The pool's layers that are the model's (SpeContext adds its head's after them)."""
-    from .head import HEAD_LAYERS
+    from ..head import HEAD_LAYERS
 
     return pool_layers - (HEAD_LAYERS if current().decode.retrieval_head else 0)
 
@@ -218,7 +218,7 @@ def conversation_stats(node):
     below (within ``STATS_WALK`` nodes), the deepest above. None if there is none."""
     from sgl_spec.krul.similarity import Similarity
 
-    from .radix import KRUL_STATS
+    from ..radix import KRUL_STATS
 
     def stats(n):
         return ((getattr(n, "spec", None) and n.spec.payloads) or {}).get(KRUL_STATS)
