@@ -13,7 +13,7 @@ import torch
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.extend import spans
 from sgl_spec.rounds.history import RoundHistory, StoredRound
-from sgl_spec.rounds.runtime import CapacityError, RoundRuntime, piece_mass
+from sgl_spec.rounds.runtime import CapacityError, RoundRuntime, piece_mass, round_scores
 from sgl_spec.tiers import blocks
 from sgl_spec.tiers.pool import Tiers
 
@@ -164,7 +164,22 @@ def test_qatt_is_the_softmax_mass_on_each_span():
     kh = k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
     logits = q.double().transpose(0, 1) @ kh.transpose(1, 2) * SCALE
     logits.masked_fill_(torch.arange(10)[None, :] > torch.arange(7, 10)[:, None], float("-inf"))
-    col = torch.softmax(logits, -1).sum((0, 1))
-    want = torch.stack([col[0:4].sum(), col[4:7].sum(), col[7:10].sum()])
+    p = torch.softmax(logits, -1)  # [Hq, 3, 10]
+    want = torch.stack([p[..., 0:4].sum(-1), p[..., 4:7].sum(-1), p[..., 7:10].sum(-1)], -1)
     torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
     assert abs(float(mass.sum()) - 3 * HQ) < 1e-4  # every query's mass, once
+    # rounds of pieces: per head and query the pieces' sum, the largest over queries,
+    # summed over heads
+    scores = round_scores(mass, [[0], [1, 2]])
+    per = torch.stack([want[..., 0], want[..., 1] + want[..., 2]], -1)
+    torch.testing.assert_close(scores.double(), per.amax(1).sum(0), atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_that_looks_a_fact_up_decides_the_round():
+    """Hand-worked: two heads, three question tokens; two of them attend round 0 a little
+    and the third attends round 1 strongly. Summing over the queries ranks round 0 first;
+    the largest per query ranks round 1 first."""
+    mass = torch.tensor([[[0.3, 0.0], [0.3, 0.0], [0.0, 0.5]],
+                         [[0.3, 0.0], [0.3, 0.0], [0.0, 0.5]]])  # [Hq 2, n 3, P 2]
+    assert mass.sum((0, 1)).argmax() == 0  # Eq. 1's sum
+    torch.testing.assert_close(round_scores(mass, [[0], [1]]), torch.tensor([0.6, 1.0]))

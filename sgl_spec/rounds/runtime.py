@@ -7,7 +7,8 @@ a ``RoundHistory``; the cache matches no further than they reach). Per forward p
   written there); a decode pass builds the upper layers' subsets (``working_set.subsets``);
 * at the last lower layer (L_w, 1-based), a request's first extend scores the stored
   rounds with its question's attention there (qAtt, Eq. 1: the softmax mass of the
-  question's last ``SCORE_QUERIES`` tokens on each round's keys, summed over heads),
+  question's last ``SCORE_QUERIES`` tokens on each round's keys, the largest over those
+  queries, summed over heads: ``round_scores``),
   selects with the configured strategy (``select``), keeps round 0 (the system prompt)
   and loads the kept rounds' blocks into upper slots, one block copy per round
   (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
@@ -231,7 +232,7 @@ class RoundRuntime:
                 qi = q[max(sp.q_start, sp.q_end - SCORE_QUERIES) : sp.q_end]
                 keys = k_buf.index_select(0, sp.slots)
                 mass = piece_mass(qi, keys, [(r.start, r.end) for r in rounds], scale)
-                share = torch.stack([mass[groups[g]].sum() for g in cands])
+                share = round_scores(mass, [groups[g] for g in cands])
                 share = share / share.sum().clamp_min(1e-30)
                 picked = select(share, self.how, self.recent)
                 ranked = [cands[i] for i in sorted(picked, key=lambda i: float(share[i]))]
@@ -357,9 +358,9 @@ def _pieces(ids, up_to: int, lo: int, fmt) -> list[tuple[int, int, int, list[int
 
 def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
                scale: float) -> torch.Tensor:
-    """qAtt (Eq. 1) of each span: the softmax attention mass of ``q`` ([n, Hq, D], the
-    last n queries of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the
-    sequence's), summed over queries and heads; causal. [len(spans)] float32."""
+    """The softmax attention mass of each query of ``q`` ([n, Hq, D], the last n queries
+    of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the sequence's), per
+    head and query; causal. [Hq, n, len(spans)] float32."""
     n, hq, _ = q.shape
     total, hkv = keys.shape[0], keys.shape[1]
     qh = q.float().transpose(0, 1)  # [Hq, n, D]
@@ -367,6 +368,22 @@ def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]]
     logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, S]
     qpos = torch.arange(total - n, total)[:, None]
     logits.masked_fill_(torch.arange(total)[None, :] > qpos, float("-inf"))
-    col = torch.softmax(logits, dim=-1).sum((0, 1))  # [S]
-    csum = torch.cat([col.new_zeros(1), col.cumsum(0)])
-    return torch.stack([csum[e] - csum[s] for s, e in spans]) if spans else col.new_zeros(0)
+    p = torch.softmax(logits, dim=-1)
+    csum = torch.cat([p.new_zeros(hq, n, 1), p.cumsum(-1)], dim=-1)  # [Hq, n, S + 1]
+    if not spans:
+        return p.new_zeros(hq, n, 0)
+    starts = torch.tensor([s for s, _ in spans])
+    ends = torch.tensor([e for _, e in spans])
+    return csum[..., ends] - csum[..., starts]
+
+
+def round_scores(mass: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """qAtt of each group of pieces (a round's turns) from ``piece_mass``'s [Hq, n, P]:
+    each query's mass on the group, its largest over the question's queries, summed over
+    the heads. [len(groups)] float32.
+
+    The paper's Eq. 1 sums over the question's queries; the largest keeps the one query
+    that looks a fact up from being outweighed by the rest of the question attending
+    near itself (docs/design/round-attention.md, "Selection")."""
+    per = torch.stack([mass[..., g].sum(-1) for g in groups], dim=-1)  # [Hq, n, G]
+    return per.amax(dim=1).sum(0)
