@@ -297,8 +297,10 @@ def check_rounds(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> Non
 def with_watershed(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
     """``cfg`` with round mode's watershed resolved: ``--spec-round-watershed``, or the
     model's calibrated profile (measured once, progress bar, into the cache dir). A
-    profile with no significant minimum, or a watershed outside the model's layers,
-    serves exact and says why (``rounds.decision``)."""
+    profile with no significant minimum, one whose selection at L_w misses the asked
+    round too often (``watershed.weak_selection``), or a watershed outside the model's
+    layers serves exact and says why (``rounds.decision``); a given watershed is used as
+    given."""
     r = cfg.rounds
     if not r.enable:
         return cfg
@@ -314,7 +316,13 @@ def with_watershed(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.
             logger.info("--spec-rounds: measuring the watershed of %s (once; python -m "
                         "sgl_spec.calibrate watershed)", model)
         path = watershed.prepare(model)
-        lw, source = watershed.load(path)["watershed"], f"profile {path}"
+        prof = watershed.load(path)
+        lw, source = prof["watershed"], f"profile {path}"
+        weak = watershed.weak_selection(prof)
+        if weak:  # the selection there would lose what the questions ask for
+            text = f"--spec-rounds: {weak} ({source}): serving exact"
+            logger.warning("%s", text)
+            return dataclasses.replace(cfg, rounds=spec_config.RoundConfig(decision=text))
     if lw is None or (layers is not None and not 1 <= lw < layers):
         text = (f"--spec-rounds: no watershed for {model} ({source}: "
                 f"{'no significant minimum' if lw is None else f'L_w {lw} of {layers} layers'}"

@@ -493,13 +493,13 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     def fake_prepare(path, *a, **k):  # the calibration: once per model, into the cache dir
         measured.append(path)
         out = str(tmp_path / "ws.json")
-        jsonfile.write_atomic(out, {"format": 1, "layers": 30, "curve": [0.0] * 29,
-                                    "watershed": found})
+        jsonfile.write_atomic(out, {"format": 2, "layers": 30, "curve": [0.0] * 29,
+                                    "watershed": found, "recall": recall})
         return out
 
     monkeypatch.setattr(watershed, "prepare", fake_prepare)
     cfg, _ = split_argv(["--spec-rounds", "--spec-round-strategy", "fixed"])
-    found = 12
+    found, recall = 12, [0.9] * 30
     got = with_watershed(cfg, argv).rounds
     assert (got.enable, got.watershed, got.strategy) == (True, 12, "fixed")
     assert "L_w 12 of 30 layers" in got.decision and measured == [str(model)]
@@ -511,3 +511,10 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     got = with_watershed(given, argv).rounds  # outside the model's layers: exact, said
     assert not got.enable and "L_w 40 of 30 layers" in got.decision
     assert len(measured) == 2  # a given watershed measures nothing
+    found, recall = 12, [0.5] * 30  # a selection at L_w that misses the asked round
+    recall[9], recall[11] = 0.9, 0.6
+    got = with_watershed(cfg, argv).rounds
+    assert not got.enable and "serving exact" in got.decision
+    assert "60% of the calibration's questions" in got.decision and "layer 10: 90%" in got.decision
+    given, _ = split_argv(["--spec-rounds", "--spec-round-watershed", "12"])
+    assert with_watershed(given, argv).rounds.enable  # a given watershed is used as given

@@ -13,7 +13,8 @@ import torch
 from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.extend import spans
 from sgl_spec.rounds.history import RoundHistory, StoredRound
-from sgl_spec.rounds.runtime import CapacityError, RoundRuntime, piece_mass, round_scores
+from sgl_spec.rounds.runtime import CapacityError, RoundRuntime
+from sgl_spec.rounds.select import piece_mass, round_scores
 from sgl_spec.tiers import blocks
 from sgl_spec.tiers.pool import Tiers
 

@@ -117,7 +117,10 @@ def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path,
     assert prof["layers"] == 30 and len(prof["curve"]) == 29 and len(prof["curves"]) == 3
     assert all(k >= 0 for k in prof["curve"])
     assert prof["watershed"] == watershed.find_watershed(prof["curve"])
-    assert "mean KL to later layers" in run.out and run.out.strip().endswith(str(out))
+    assert len(prof["recall"]) == 30 and len(prof["asked_ranks"]) == 3
+    assert all(0 <= r <= 1 for r in prof["recall"])
+    assert "mean KL to later layers" in run.out and "asked round in the top 10%" in run.out
+    assert run.out.strip().endswith(str(out))
     assert (tmp_path / "ws.png").stat().st_size > 0
     assert "watershed: conversations" in run.err  # the progress bar
 
@@ -177,3 +180,18 @@ def test_a_working_set_with_an_unloaded_round_is_refused():
     with pytest.raises(ValueError, match="is in its current round"):
         working_set.subsets(r2t, torch.tensor([0]), torch.tensor([16]),
                             [torch.tensor([13])], torch.tensor([12]), slots, 1)
+
+
+def test_asked_rank_and_recall_by_hand():
+    # one KV group, two question tokens, three rounds over T = 6 keys: token 0 spreads over
+    # rounds 0 and 1, token 1 looks round 2 up
+    p = torch.tensor([[[0.3, 0.2, 0.3, 0.2, 0.0, 0.0],
+                       [0.1, 0.0, 0.0, 0.1, 0.6, 0.2]]])  # [Hkv 1, n 2, T 6]
+    spans = [(0, 2), (2, 4), (4, 6)]
+    assert watershed.asked_rank(p, spans, 2) == 1  # its largest: 0.8 against 0.5 and 0.5
+    assert watershed.asked_rank(p, spans, 0) == 2  # ties count as not above
+    # recall: the top tenth of 20 rounds is 2, of 5 rounds 1
+    ranks = [[1, 3], [2, 1], [1, 2]]
+    assert watershed.recall(ranks, [20, 20, 5]) == [1.0, 1 / 3]
+    assert watershed.recall([], []) == []
+

@@ -300,9 +300,11 @@ def _watershed(wp: argparse.ArgumentParser, args) -> int:
     print(f"{os.path.basename(model.rstrip('/'))}: {len(prof['curves'])} conversations, "
           f"{min(prof['rounds'])}-{max(prof['rounds'])} earlier rounds, "
           f"{min(prof['tokens'])}-{max(prof['tokens'])} tokens")
-    print("layer   mean KL to later layers")
-    for i, kl in enumerate(curve):
-        print(f"{i + 1:5d}   {kl:.4f}{'   <- L_w' if lw == i + 1 else ''}")
+    rec = prof["recall"]
+    print("layer   mean KL to later layers   asked round in the top 10%")
+    for i in range(n):
+        kl = f"{curve[i]:.4f}" if i < len(curve) else "-"
+        print(f"{i + 1:5d}   {kl:>24}   {rec[i]:>26.0%}{'   <- L_w' if lw == i + 1 else ''}")
     print(f"L_w = {lw} of {n} layers (layers 1..L_w keep every round on the device)"
           if lw is not None else
           f"no significant local minimum in {n} layers: round mode serves this model exactly")
@@ -313,7 +315,7 @@ def _watershed(wp: argparse.ArgumentParser, args) -> int:
 
 def _plot_watershed(prof: dict, path: str) -> str:
     """Mean KL to later layers against the layer (each conversation thin, the mean
-    thick), L_w marked."""
+    thick), L_w marked; the selection's recall per layer on a second axis."""
     import os
 
     from sgl_spec.bench import plots
@@ -329,7 +331,14 @@ def _plot_watershed(prof: dict, path: str) -> str:
     ax.set_xlabel("layer (1-based)")
     ax.set_ylabel("mean KL(P_layer || P_later)")
     ax.set_title(os.path.basename(prof["model"].rstrip("/")))
-    ax.legend()
+    r = ax.twinx()
+    r.plot(range(1, len(prof["recall"]) + 1), prof["recall"], color="C2", marker="s", ms=3,
+           lw=0.8, label="asked round in the top 10%")
+    r.set_ylim(0, 1.05)
+    r.set_ylabel("asked round in the top 10%", color="C2")
+    lines = ax.get_legend_handles_labels()
+    more = r.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
     plots.finish_axes(ax)
     return plots.save(fig, path)
 

@@ -8,7 +8,7 @@ a ``RoundHistory``; the cache matches no further than they reach). Per forward p
 * at the last lower layer (L_w, 1-based), a request's first extend scores the stored
   rounds with its question's attention there (qAtt, Eq. 1: the softmax mass of the
   question's last ``SCORE_QUERIES`` tokens on each round's keys, the largest over those
-  queries, summed over heads: ``round_scores``),
+  queries, summed over heads: ``select.round_scores``),
   selects with the configured strategy (``select``), keeps round 0 (the system prompt)
   and loads the kept rounds' blocks into upper slots, one block copy per round
   (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
@@ -41,7 +41,7 @@ from sgl_spec.tiers import blocks
 from sgl_spec.tiers.pool import Tiers
 
 from .history import RoundHistory, StoredRound
-from .select import select, strategy
+from .select import piece_mass, round_scores, select, strategy
 from .working_set import kept_positions, subsets
 
 logger = logging.getLogger(__name__)
@@ -354,36 +354,3 @@ def _pieces(ids, up_to: int, lo: int, fmt) -> list[tuple[int, int, int, list[int
         else:
             out.append([sp.tag.round, s, e, []])
     return [tuple(p) for p in out]
-
-
-def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
-               scale: float) -> torch.Tensor:
-    """The softmax attention mass of each query of ``q`` ([n, Hq, D], the last n queries
-    of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the sequence's), per
-    head and query; causal. [Hq, n, len(spans)] float32."""
-    n, hq, _ = q.shape
-    total, hkv = keys.shape[0], keys.shape[1]
-    qh = q.float().transpose(0, 1)  # [Hq, n, D]
-    kh = keys.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
-    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, S]
-    qpos = torch.arange(total - n, total)[:, None]
-    logits.masked_fill_(torch.arange(total)[None, :] > qpos, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
-    csum = torch.cat([p.new_zeros(hq, n, 1), p.cumsum(-1)], dim=-1)  # [Hq, n, S + 1]
-    if not spans:
-        return p.new_zeros(hq, n, 0)
-    starts = torch.tensor([s for s, _ in spans])
-    ends = torch.tensor([e for _, e in spans])
-    return csum[..., ends] - csum[..., starts]
-
-
-def round_scores(mass: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-    """qAtt of each group of pieces (a round's turns) from ``piece_mass``'s [Hq, n, P]:
-    each query's mass on the group, its largest over the question's queries, summed over
-    the heads. [len(groups)] float32.
-
-    The paper's Eq. 1 sums over the question's queries; the largest keeps the one query
-    that looks a fact up from being outweighed by the rest of the question attending
-    near itself (docs/design/round-attention.md, "Selection")."""
-    per = torch.stack([mass[..., g].sum(-1) for g in groups], dim=-1)  # [Hq, n, G]
-    return per.amax(dim=1).sum(0)

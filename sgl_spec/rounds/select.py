@@ -1,6 +1,9 @@
 """Which earlier rounds a new question attends past the watershed (Round Attention,
 Sec. 3.3), from qAtt at layer L_w (Eq. 1) normalised over the earlier rounds.
 
+``piece_mass`` and ``round_scores`` compute qAtt from the question's queries and the
+history's keys at L_w; the strategies below pick from it.
+
 A registry of strategies (``--spec-round-strategy``):
 
 * ``topk``: the top 10% of the rounds by attention (at least one), the paper's
@@ -81,3 +84,36 @@ def select(share: torch.Tensor, how: RoundStrategy, recent: int = 1) -> list[int
         mask[-recent:] = True
     mask[int(torch.argmax(share))] = True
     return torch.nonzero(mask).flatten().tolist()
+
+
+def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
+               scale: float) -> torch.Tensor:
+    """The softmax attention mass of each query of ``q`` ([n, Hq, D], the last n queries
+    of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the sequence's), per
+    head and query; causal. [Hq, n, len(spans)] float32."""
+    n, hq, _ = q.shape
+    total, hkv = keys.shape[0], keys.shape[1]
+    qh = q.float().transpose(0, 1)  # [Hq, n, D]
+    kh = keys.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)  # [Hq, S, D]
+    logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, S]
+    qpos = torch.arange(total - n, total)[:, None]
+    logits.masked_fill_(torch.arange(total)[None, :] > qpos, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    csum = torch.cat([p.new_zeros(hq, n, 1), p.cumsum(-1)], dim=-1)  # [Hq, n, S + 1]
+    if not spans:
+        return p.new_zeros(hq, n, 0)
+    starts = torch.tensor([s for s, _ in spans])
+    ends = torch.tensor([e for _, e in spans])
+    return csum[..., ends] - csum[..., starts]
+
+
+def round_scores(mass: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """qAtt of each group of pieces (a round's turns) from ``piece_mass``'s [Hq, n, P]:
+    each query's mass on the group, its largest over the question's queries, summed over
+    the heads. [len(groups)] float32.
+
+    The paper's Eq. 1 sums over the question's queries; the largest keeps the one query
+    that looks a fact up from being outweighed by the rest of the question attending
+    near itself (docs/design/round-attention.md, "Selection")."""
+    per = torch.stack([mass[..., g].sum(-1) for g in groups], dim=-1)  # [Hq, n, G]
+    return per.amax(dim=1).sum(0)

@@ -11,6 +11,12 @@ layers 1..L_w keep every round's KV on the device, and the round selection reads
 L_w's attention. The curve is indexed by 0-based layer; a minimum at index i is
 L_w = i + 1.
 
+Beside the curve, each conversation's question asks for the fact of one earlier round, and
+the profile records, per layer, where the selection's score (``select.round_scores``: each
+KV group's largest mass over the question's tokens, summed) ranks that round, and the share
+of conversations in which it is among the top tenth (``recall``): what a question that
+needs one round would keep, were the selection made there.
+
 Rounds are those of the turn tags (``sgl_spec.cache.segment``: a round steps at each
 user turn, the system prompt is round 0). Round 0 is left out of the distribution: a
 server always keeps it (and its first tokens are an attention sink at every layer,
@@ -30,9 +36,11 @@ import torch
 
 from sgl_spec import envs, jsonfile
 
+from .select import round_scores
+
 logger = logging.getLogger(__name__)
 
-_FORMAT = 1
+_FORMAT = 2  # 2: the selection's recall per layer
 EPS = 1e-6  # added to every round's mass before the KL: empty rounds have log 0
 
 
@@ -81,6 +89,42 @@ def round_mass(p: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     normalised over the spans: [len(spans)] fp32, sums to 1."""
     m = torch.stack([p[a:b].sum() for a, b in spans]).clamp_min(0)
     return m / m.sum().clamp_min(1e-30)
+
+
+def asked_rank(p: torch.Tensor, spans: list[tuple[int, int]], asked: int) -> int:
+    """Where the selection's score ranks round ``asked`` (0-based into ``spans``) at one
+    layer: 1 = first. ``p`` [Hkv, n, T]: the question's n queries' attention,
+    group-averaged (``head.train.Recorder``)."""
+    mass = torch.stack([p[..., a:b].sum(-1) for a, b in spans], dim=-1)  # [Hkv, n, R]
+    score = round_scores(mass, [[i] for i in range(len(spans))])
+    return int((score > score[asked]).sum()) + 1
+
+
+def recall(ranks: list[list[int]], rounds: list[int], fraction: float = 0.10) -> list[float]:
+    """Per layer, the share of conversations whose asked round ranks within the top
+    ``fraction`` of their earlier rounds (at least one): the ``topk`` strategy's pick."""
+    import math
+
+    if not ranks:
+        return []
+    tops = [max(1, math.ceil(fraction * r)) for r in rounds]
+    return [sum(rk[layer] <= t for rk, t in zip(ranks, tops, strict=True)) / len(ranks)
+            for layer in range(len(ranks[0]))]
+
+
+MIN_RECALL = 0.75  # the selection's recall at L_w below which a server serves exact
+
+
+def weak_selection(prof: dict, bar: float = MIN_RECALL) -> str | None:
+    """Why selecting at the profile's L_w would lose what questions ask for (its recall
+    there under ``bar``, naming the layer where the recall is highest), or None."""
+    lw, rec = prof.get("watershed"), prof.get("recall")
+    if lw is None or not rec or rec[lw - 1] >= bar:
+        return None
+    best = max(range(len(rec)), key=lambda i: (rec[i], -i))
+    return (f"the selection at L_w {lw} ranks the asked round in the top tenth for "
+            f"{rec[lw - 1]:.0%} of the calibration's questions (under {bar:.0%}; highest "
+            f"at layer {best + 1}: {rec[best]:.0%}; --spec-round-watershed N selects there)")
 
 
 def mean_kl_to_later(P: torch.Tensor) -> torch.Tensor:
@@ -145,7 +189,7 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
     fmt = derive(tok)
     layers = model.config.num_hidden_layers
     rng = random.Random(wc.seed)
-    curves, tokens, sizes = [], [], []
+    curves, tokens, sizes, ranks = [], [], [], []
     bar = tqdm(range(wc.conversations), desc="watershed: conversations", unit="conv",
                disable=not progress)
     for i in bar:
@@ -158,10 +202,11 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
         if len(spans) < 2:
             raise ValueError(f"the chat template of {model_path} yields {len(spans)} earlier "
                              "rounds for a multi-round chat: no watershed can be measured")
-        rec.start(torch.tensor([len(ids) - 1]), per_layer=True)
+        rec.start(torch.arange(spans[-1][1], len(ids)), per_layer=True)  # the question
         with torch.no_grad():
             model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
-        P = torch.stack([round_mass(p[:, 0].mean(0), spans) for p in rec.per_layer])
+        P = torch.stack([round_mass(p[:, -1].mean(0), spans) for p in rec.per_layer])
+        ranks.append([asked_rank(p, spans, conv.asked - 1) for p in rec.per_layer])
         rec.per_layer = rec.rows = None
         curves.append(mean_kl_to_later(P).tolist())
         tokens.append(len(ids))
@@ -170,7 +215,8 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
     mean = torch.tensor(curves).mean(0)
     return {"format": _FORMAT, "model": os.path.abspath(model_path), "layers": layers,
             "config": dataclasses.asdict(wc), "curve": mean.tolist(), "curves": curves,
-            "tokens": tokens, "rounds": sizes,
+            "tokens": tokens, "rounds": sizes, "asked_ranks": ranks,
+            "recall": recall(ranks, sizes),
             "watershed": find_watershed(mean, wc.significance)}
 
 
