@@ -58,10 +58,9 @@ else
 fi
 # setuptools warns that an editable install is one (in its isolated build): not news.
 PYTHONWARNINGS=ignore "${PIP[@]}" "${C[@]}" -e "$ROOT$EXTRAS"
-# The packages every server imports from many processes at once (the rest compile on
-# their first import): all of site-packages would take twice as long.
-SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-"$PY" -m compileall -q -j 0 "$SITE"/{sglang,torch,transformers} >/dev/null || true
+# All of site-packages: what is left to compile on first import is compiled again by each of
+# the servers a test session boots at once.
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 "$PY" - <<'PY'
 import torch, sglang  # noqa: F401  fail here, not at first launch
 import sgl_spec.integration  # checks the pinned sglang version

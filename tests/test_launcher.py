@@ -512,7 +512,7 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     assert not got.enable and "L_w 40 of 30 layers" in got.decision
     assert len(measured) == 2  # a given watershed measures nothing
     found, recall = 12, [0.5] * 30  # a selection at L_w that misses the asked round
-    recall[9], recall[11] = 0.9, 0.6
+    recall[9], recall[11], recall[29] = 0.9, 0.6, 1.0  # the last layer cannot be L_w
     got = with_watershed(cfg, argv).rounds
     assert not got.enable and "serving exact" in got.decision
     assert "60% of the calibration's questions" in got.decision and "layer 10: 90%" in got.decision

@@ -121,7 +121,7 @@ def weak_selection(prof: dict, bar: float = MIN_RECALL) -> str | None:
     lw, rec = prof.get("watershed"), prof.get("recall")
     if lw is None or not rec or rec[lw - 1] >= bar:
         return None
-    best = max(range(len(rec)), key=lambda i: (rec[i], -i))
+    best = max(range(len(rec) - 1), key=lambda i: (rec[i], -i))  # the last layer: no upper
     return (f"the selection at L_w {lw} ranks the asked round in the top tenth for "
             f"{rec[lw - 1]:.0%} of the calibration's questions (under {bar:.0%}; highest "
             f"at layer {best + 1}: {rec[best]:.0%}; --spec-round-watershed N selects there)")
