@@ -358,9 +358,12 @@ def main(argv: list[str] | None = None) -> None:
     if not lw:
         from sgl_spec.rounds import watershed
 
-        lw = watershed.load(watershed.prepare(model))["watershed"]
+        prof = watershed.load(watershed.prepare(model))
+        lw = prof["watershed"]
         if lw is None:
             ap.error(f"the calibration of {model} found no watershed; pass --watershed")
+        if weak := watershed.weak_selection(prof):  # a server would serve exact here
+            ap.error(f"{weak}; pass --watershed to measure round mode at a layer anyway")
     tok = AutoTokenizer.from_pretrained(model)
     extra = shlex.split(args.server_flags)
     q = args.quick

@@ -98,10 +98,10 @@ def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]]
     logits = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [Hq, n, S]
     qpos = torch.arange(total - n, total)[:, None]
     logits.masked_fill_(torch.arange(total)[None, :] > qpos, float("-inf"))
+    if not spans:
+        return logits.new_zeros(hq, n, 0)
     p = torch.softmax(logits, dim=-1)
     csum = torch.cat([p.new_zeros(hq, n, 1), p.cumsum(-1)], dim=-1)  # [Hq, n, S + 1]
-    if not spans:
-        return p.new_zeros(hq, n, 0)
     starts = torch.tensor([s for s, _ in spans])
     ends = torch.tensor([e for _, e in spans])
     return csum[..., ends] - csum[..., starts]
