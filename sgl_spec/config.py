@@ -198,8 +198,10 @@ FLAGS: tuple[Flag, ...] = (
          "watershed L_w up keep only a working set on the device (the system prompt's "
          "round, the rounds each new question selects at L_w, the current round); every "
          "finished round's upper-layer KV is one host block, referenced from its radix "
-         "node. Needs a calibrated watershed (python -m sgl_spec.calibrate watershed): "
-         "without one the server serves exact and says so (docs/design/round-attention.md)."),
+         "node. Composes with HiCache (its host pool holds the lower layers), Krul and "
+         "turn eviction. Needs a calibrated watershed (python -m sgl_spec.calibrate "
+         "watershed): without one the server serves exact and says so "
+         "(docs/design/round-attention.md)."),
     Flag("--spec-round-strategy", "rounds", "strategy", "choice",
          "Which earlier rounds a question attends past L_w, from its attention at L_w "
          "(qAtt): 'topk' the top tenth, 'fixed' those over 0.1 of it, 'adaptive' those over "
@@ -214,6 +216,10 @@ FLAGS: tuple[Flag, ...] = (
          "Device slots of the upper layers (the working sets); 0: as many as the full "
          "pool (--max-total-tokens), which saves no device memory. A request whose "
          "working set does not fit is refused with an error naming this flag."),
+    Flag("--spec-round-drop-after", "rounds", "drop_after", "int",
+         "Round Attention Sec. 3.4, opt-in: a finished round that no question's selection "
+         "kept for this many questions in a row is dropped from the host tier (its block "
+         "freed; no later question attends it). 0: rounds are never dropped.", lo=0),
     Flag("--spec-round-watershed", "rounds", "watershed", "int",
          "L_w (1-based; layers 1..L_w keep every token on the device); 0: the model's "
          "calibrated profile."),
@@ -401,6 +407,7 @@ class RoundConfig:
     min_rounds: int = 4
     upper_tokens: int = 0
     watershed: int = 0
+    drop_after: int = 0
     decision: str = ""
 
     def __post_init__(self):
@@ -410,7 +417,8 @@ class RoundConfig:
                                          ("recent", self.recent, 1),
                                          ("min-rounds", self.min_rounds, 4),
                                          ("upper-tokens", self.upper_tokens, 0),
-                                         ("watershed", self.watershed, 0)):
+                                         ("watershed", self.watershed, 0),
+                                         ("drop-after", self.drop_after, 0)):
                 if value != default:
                     raise ValueError(f"--spec-round-{flag} is read only with --spec-rounds; "
                                      "valid: drop it, or add --spec-rounds")
@@ -440,11 +448,12 @@ class SpecConfig:
                 ("--spec-disable", self.disable),
                 (f"--spec-mode {self.decode.mode}", self.decode.mode != "exact"),
                 (f"--spec-prefill {self.prefill.mode}", self.prefill.mode != "exact"),
-                ("--spec-krul", self.krul.enable)) if on]
+                ("--spec-krul-profile", bool(self.krul.profile_path))) if on]
             if clash:
                 raise ValueError(f"--spec-rounds does not compose with {', '.join(clash)} yet "
                                  "(its upper layers attend the working set, which those "
-                                 f"paths do not know); valid: drop {', '.join(clash)}, or "
+                                 "paths do not know; a Krul restore's recompute runs every "
+                                 f"layer); valid: drop {', '.join(clash)}, or "
                                  "drop --spec-rounds")
         if self.disable and self.krul.enable:
             raise ValueError("--spec-krul needs sgl_spec's cache; valid: drop --spec-disable, "

@@ -279,12 +279,10 @@ def check_rounds(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> Non
     """ValueError where ``--spec-rounds`` cannot work with sglang's flags or this host."""
     if not cfg.rounds.enable:
         return
-    for flag, why in (("--enable-hierarchical-cache", "HiCache's host pool copies every "
-                       "layer by full-pool slot"),
-                      ("--disable-radix-cache", "stored rounds ride the radix tree's nodes")):
-        if _given(argv, flag):
-            raise ValueError(f"--spec-rounds with {flag} is not supported ({why}); valid: "
-                             f"drop {flag}, or drop --spec-rounds")
+    if _given(argv, "--disable-radix-cache"):
+        raise ValueError("--spec-rounds with --disable-radix-cache is not supported (stored "
+                         "rounds ride the radix tree's nodes); valid: drop "
+                         "--disable-radix-cache, or drop --spec-rounds")
     if (_value(argv, "--page-size") or "1") != "1":
         raise ValueError("--spec-rounds needs --page-size 1 (rounds end on any token); "
                          "valid: --page-size 1")

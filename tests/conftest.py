@@ -33,6 +33,7 @@ if os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") == "1":
 from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 from sgl_spec.head.train import TrainConfig
+from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
 from sgl_spec.train_head import head_dir, is_prepared
 
 # SGLang's own test files, where a user put them (tests/upstream/SOURCES.md), are run by
@@ -160,6 +161,18 @@ def _head(model_path: str) -> str:
     return out
 
 
+def krul_stats(model_path: str) -> str:
+    """The quick form of the model's attention statistics (Krul's), measured once into the
+    cache dir (reused by later runs), in a subprocess: this runs in the launch thread,
+    beside the unit tests (no imports here: they would change sys.modules under pytest)."""
+    out = stats_path(model_path, CalibrationConfig.quick())
+    if not os.path.exists(out):
+        subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "strategy", "--quick",
+                        "--model-path", model_path, "--out", out],
+                       check=True, capture_output=True, timeout=600)
+    return out
+
+
 def _specontext_flags(model_path: str) -> list[str]:
     """SpeContext from 256 tokens of history; a pool that holds one ~1000-token request
     and a half, with HiCache (tests evict prompts to the host tier)."""
@@ -204,6 +217,7 @@ EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
 _launched: dict[str, ServerProcess] = {}
 _lazy_at: dict[str, list[str]] = {}  # node id -> the lazy servers launched as it starts
 _model: list[str] = []
+_logs: list[Path] = []  # the session's server logs' directory
 _launch_failed: dict[str, BaseException] = {}
 _launching: dict[str, threading.Event] = {}
 _base_dir: list[Path] = []
@@ -310,6 +324,7 @@ def pytest_collection_finish(session):
     model = prepare()
     _model.append(model)
     logs = session.config._tmp_path_factory.mktemp("logs")
+    _logs.append(logs)
     _plan_lazy(session.items, [n for n in wanted if EARLY_SERVERS[n].lazy])
     wanted = [n for n in wanted if not EARLY_SERVERS[n].lazy]
     if not _base_dir:
@@ -355,7 +370,9 @@ def _plan_lazy(items, names: list[str]) -> None:
 def pytest_runtest_setup(item):
     for name in _lazy_at.pop(item.nodeid, ()):
         if name not in _launched:
-            _launched[name] = EARLY_SERVERS[name].server(_model[0]).launch()
+            log = _logs[0] / f"{name}.log" if _logs else None
+            _launched[name] = EARLY_SERVERS[name].server(_model[0], log_path=log and
+                                                         str(log)).launch()
 
 
 def pytest_sessionfinish(session):

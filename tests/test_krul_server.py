@@ -4,39 +4,23 @@ restored from it; a corrupted one is recomputed, never served."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import EARLY_SERVERS, SPEC_CHECKS, Early, early_dir, early_server
+from conftest import EARLY_SERVERS, SPEC_CHECKS, Early, early_dir, early_server, krul_stats
 from sgl_spec import boot
 from sgl_spec import cpu as host_cpu
 from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC, flush_cache
 from sgl_spec.tiers import restore_clock
-from sgl_spec.krul.calibrate import CalibrationConfig, stats_path
 
 pytestmark = [pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(boot.cuda_host(), reason="Krul's host pool: CPU I/O only")]
 
 PROMPT_TOKENS = 800
 MAX_NEW_TOKENS = 12
-
-
-def _stats(model_path: str) -> str:
-    """The quick form of the model's attention statistics, measured once into the cache
-    dir (reused by later runs), in a subprocess: this runs in conftest's launch thread,
-    beside the unit tests (no imports here: they would change sys.modules under pytest)."""
-    out = stats_path(model_path, CalibrationConfig.quick())
-    if not os.path.exists(out):
-        subprocess.run([sys.executable, "-m", "sgl_spec.calibrate", "strategy", "--quick",
-                        "--model-path", model_path, "--out", out],
-                       check=True, capture_output=True, timeout=600)
-    return out
 
 
 def _args(model_path: str) -> list[str]:
@@ -46,7 +30,7 @@ def _args(model_path: str) -> list[str]:
         "--max-total-tokens", "1100",
         "--enable-hierarchical-cache", "--hicache-ratio", "2",
         "--enable-cache-report", "--sleep-on-idle", "--enable-metrics",
-        "--spec-krul", "--spec-krul-stats", _stats(model_path), *SPEC_CHECKS,
+        "--spec-krul", "--spec-krul-stats", krul_stats(model_path), *SPEC_CHECKS,
     ]  # fmt: skip
 
 

@@ -419,7 +419,7 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
     if given_.get("--spec-disable") and given_.get("--spec-krul"):
         assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
         return
-    if rounds and (given_.get("--spec-disable") or given_.get("--spec-krul")
+    if rounds and (given_.get("--spec-disable") or given_.get("--spec-krul-profile")
                    or given_.get("--spec-mode", "exact") != "exact"
                    or given_.get("--spec-prefill", "exact") != "exact"):
         assert got == 2 and "--spec-rounds does not compose with" in err
@@ -455,8 +455,8 @@ def test_round_mode_refuses_what_it_cannot_serve_naming_the_flag(capsys):
 
     cfg, _ = split_argv(["--spec-rounds"])
     check_rounds(cfg, ["--max-total-tokens", "4096"], cpu=True)  # fine
-    for argv, needle in ((["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
-                         (["--disable-radix-cache"], "--disable-radix-cache"),
+    check_rounds(cfg, ["--enable-hierarchical-cache"], cpu=True)  # composes
+    for argv, needle in ((["--disable-radix-cache"], "--disable-radix-cache"),
                          (["--page-size", "16"], "--page-size 1")):
         with pytest.raises(ValueError, match=needle):
             check_rounds(cfg, argv, cpu=True)
@@ -474,6 +474,11 @@ def test_round_mode_refuses_what_it_cannot_serve_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         split_argv(["--spec-rounds", "--spec-mode", "loopserve"])
     assert "--spec-rounds does not compose with --spec-mode loopserve" in capsys.readouterr().err
+    cfg, _ = split_argv(["--spec-rounds", "--spec-krul"])  # Krul composes; its recompute not
+    assert cfg.rounds.enable and cfg.krul.enable
+    with pytest.raises(ValueError, match="does not compose with --spec-krul-profile"):
+        spec_config.SpecConfig(rounds=spec_config.RoundConfig(enable=True),
+                               krul=spec_config.KrulConfig(enable=True, profile_path="p.json"))
 
 
 def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tmp_path,

@@ -158,6 +158,105 @@ def test_a_full_upper_tier_trims_the_least_important_rounds_then_refuses_by_name
     assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
 
 
+def test_rounds_no_selection_kept_for_n_questions_are_dropped_only_when_asked():
+    """Sec. 3.4 (opt-in): with drop_after 2, rounds 1, 2 and 4, left by two questions in a
+    row that select round 3 (and keep the last one, 5), are dropped: their blocks free
+    their host rows and a third question neither scores nor loads them. Without it
+    (drop_after 0) nothing is dropped."""
+    g = torch.Generator().manual_seed(3)
+    history, _ = _history(g)
+    full = sum(r.block.nbytes for r in history.rounds)
+    req_to_token = torch.zeros(4, 64, dtype=torch.int32)
+    req_to_token[:, :PREFIX] = torch.arange(1, PREFIX + 1).int()
+    target = torch.randn(HKV, D, generator=g)
+
+    def ask(rt, tiers, rid, row):
+        new = torch.arange(40 + 8 * row, 40 + 8 * row + NEW)
+        req_to_token[row, PREFIX:PREFIX + NEW] = new.int()
+        rt.seed(rid, history)
+        batch = _batch("extend", rid, row, PREFIX + NEW, NEW, req_to_token, new)
+        plan = rt.plan(batch)
+        k_lw = tiers.k_bufs[SPLIT - 1]
+        k_lw[1:PREFIX + 1] = torch.randn(PREFIX, HKV, D, generator=g) * 0.1
+        k_lw[17:23] = target * 4  # round 3's positions 16..21 (slots 17..22)
+        q = torch.randn(NEW, HQ, D, generator=g) * 0.1 + target.repeat_interleave(HQ // HKV, 0)
+        rt.select_rounds(plan, spans(batch), q, k_lw, SCALE)
+        kept = [history.rounds[i].round for i in rt.states[rid].kept]
+        rt.release(rid)
+        return kept
+
+    for drop_after, dropped in ((0, []), (2, [1, 2, 4])):
+        for r in history.rounds:
+            assert not r.block.dropped
+        tiers = _pool()
+        rt = RoundRuntime(tiers, "topk", recent=1, min_rounds=2, drop_after=drop_after)
+        assert ask(rt, tiers, "a", 0) == [0, 3, 5] and ask(rt, tiers, "b", 1) == [0, 3, 5]
+        assert [r.round for r in history.rounds if r.block.dropped] == dropped
+        assert rt.counts["dropped_rounds"] == len(dropped)
+        assert rt.totals()["host_bytes"] == 0  # the runtime stored none of these blocks
+        row = (LAYERS - SPLIT) * 2 * HKV * D * 4  # float32 K and V of one token's layers
+        left = sum(r.block.nbytes for r in history.rounds)
+        assert left == full - row * sum(r.end - r.start for r in history.rounds
+                                        if r.round in dropped)
+        before = rt.counts["blocks_loaded"]
+        assert ask(rt, tiers, "c", 2) == [0, 3, 5]
+        assert rt.counts["blocks_loaded"] - before == 3  # none of the dropped ones
+    with pytest.raises(ValueError, match="dropped"):
+        blocks.load(history.rounds[1].block, tiers.k_bufs[SPLIT:], tiers.v_bufs[SPLIT:],
+                    torch.arange(6))
+    assert tiers.slots.used() == 0 and rt.live_states == 0
+
+
+def test_a_checkpoint_that_points_a_request_at_the_tree_s_slots_moves_its_upper_slots():
+    """Two requests compute the same new tokens; b's checkpoint finds a's in the tree, frees
+    b's slots and points b's row at a's (sglang's insert). ``rekey`` moves b's holds
+    there, so when a has gone and sglang hands b's freed slot to b's next token, nothing
+    is still mapped (no stale slot, no upper KV overwritten) and b's decode reads the same
+    tokens' KV; every slot comes back."""
+    g = torch.Generator().manual_seed(4)
+    tiers = _pool()
+    rt = RoundRuntime(tiers, "topk", recent=1, min_rounds=8)  # 5 candidates: all kept
+    history, data = _history(g)
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[:, :PREFIX] = torch.arange(1, PREFIX + 1).int()
+    own = {0: torch.arange(40, 40 + NEW), 1: torch.arange(50, 50 + NEW)}
+    new_kv = torch.randn(LAYERS - SPLIT, 2, NEW, HKV, D, generator=g)  # the same tokens
+    for row, rid in ((0, "a"), (1, "b")):
+        req_to_token[row, PREFIX:PREFIX + NEW] = own[row].int()
+        rt.seed(rid, history)
+        batch = _batch("extend", rid, row, PREFIX + NEW, NEW, req_to_token, own[row])
+        plan = rt.plan(batch)
+        rt.select_rounds(plan, spans(batch), torch.randn(NEW, HQ, D, generator=g),
+                         tiers.k_bufs[SPLIT - 1], SCALE)
+        for i in range(LAYERS - SPLIT):
+            rows = tiers.upper_rows(own[row])
+            tiers.k_bufs[SPLIT + i][rows] = new_kv[i, 0]
+            tiers.v_bufs[SPLIT + i][rows] = new_kv[i, 1]
+    # b's checkpoint: the tree holds these tokens in a's slots; b's are freed
+    req_to_token[1, PREFIX:PREFIX + NEW] = own[0].int()
+    rt.rekey("b", req_to_token[1], PREFIX + NEW)
+    assert rt.counts["rekeyed_tokens"] == NEW and not bool(tiers.slots.mapped(own[1]).any())
+    rt.release("a")
+    loc = own[1][:1]  # b's next token gets one of its freed slots back
+    dplan = rt.plan(_batch("decode", "b", 1, PREFIX + NEW + 1, 1, req_to_token, loc))
+    assert rt.counts["stale_slots"] == 0
+    step = torch.randn(LAYERS - SPLIT, 2, 1, HKV, D, generator=g)
+    kept = rt.states["b"].kept_pos
+    for i in range(LAYERS - SPLIT):
+        tiers.k_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 0]
+        tiers.v_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 1]
+        q = torch.randn(1, HQ, D, generator=g)
+        out = torch.empty(1, HQ, D)
+        rt.decode_upper(dplan, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i], out, SCALE,
+                        impl="torch", check=True)
+        keys = torch.cat([data[i, 0, kept], new_kv[i, 0], step[i, 0]])
+        vals = torch.cat([data[i, 1, kept], new_kv[i, 1], step[i, 1]])
+        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
+                                   rtol=1e-5)
+    rt.release("b")
+    assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
+
+
 def test_qatt_is_the_softmax_mass_on_each_span():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(3, HQ, D, generator=g), torch.randn(10, HKV, D, generator=g)

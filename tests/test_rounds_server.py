@@ -1,9 +1,12 @@
 """Round mode in a real server (issue 44): the default model, a layer-tiered pool (L_w 12 of
-30, an upper tier of half the full pool's slots), conversations played turn by turn
-through the chat API. A conversation with fewer earlier rounds than the threshold attends
-all of them and answers as the exact server does, with the same cached tokens per turn; a
-long one selects rounds (kept share under 1), keeps each finished round as host blocks
-and gives every upper slot back; aborted streams free their working sets."""
+30, an upper tier of half the full pool's slots), with HiCache, Krul, turn eviction and the
+opt-in dropping of rounds no selection kept (Sec. 3.4) on,
+conversations played turn by turn through the chat API. A conversation with fewer earlier
+rounds than the threshold attends all of them and answers as the exact server does, with
+the same cached tokens per turn; a long one selects rounds (kept share under 1), keeps each
+finished round as host blocks and gives every upper slot back; aborted streams free their
+working sets; a conversation demoted to the host tier (Krul-compressed lower layers, its
+rounds' blocks on its nodes) comes back with its history cached and the same answer."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import pytest
 import requests
 
 from _aborts import abort_streams, wait_until_freed
-from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, TEST_POOL, Early, early_server
+from conftest import COMMON_FLAGS, EARLY_SERVERS, SPEC_CHECKS, Early, early_server, krul_stats
 from sgl_spec import boot
+from sgl_spec.bench.agreement import NEAR_TIE_NATS, first_divergence
 from sgl_spec.bench.server import SPEC
 from sgl_spec.rounds.conversations import conversation
 
@@ -20,14 +24,22 @@ pytestmark = [pytest.mark.server,
               pytest.mark.skipif(boot.cuda_host(), reason="round mode serves on CPU hosts only")]
 
 WATERSHED = 12  # the default model's calibrated L_w (docs/results/2026-11-28-watershed.md)
-UPPER = TEST_POOL // 2
+POOL = 2048  # two ~1k-token conversations do not fit: the older one goes to the host tier
+UPPER = POOL // 2
 MIN_ROUNDS = 4
+DROP_AFTER = 6  # Sec. 3.4, opt-in: a round no selection kept for 6 questions in a row
 
 
 def _flags(model_path: str) -> list[str]:
-    return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, "--spec-rounds",
+    flags = list(COMMON_FLAGS)
+    flags[flags.index("--max-total-tokens") + 1] = str(POOL)
+    return ["--model-path", model_path, *flags, *SPEC_CHECKS, "--spec-rounds",
             "--spec-round-watershed", str(WATERSHED), "--spec-round-upper-tokens", str(UPPER),
-            "--spec-round-min-rounds", str(MIN_ROUNDS)]
+            "--spec-round-min-rounds", str(MIN_ROUNDS),
+            "--spec-round-drop-after", str(DROP_AFTER),
+            "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-cache-report",
+            "--spec-krul", "--spec-krul-stats", krul_stats(model_path),
+            "--spec-cache-eviction", "turn"]
 
 
 if not boot.cuda_host():  # launched lazily (conftest), as the module before its tests starts
@@ -97,9 +109,12 @@ def test_a_long_conversation_selects_rounds_and_gives_every_slot_back(rounds_ser
     assert t["blocks_loaded"] > before["blocks_loaded"]
     per_token = t["token_bytes"]
     assert t["device_bytes"]["upper"] == per_token["upper"] * (UPPER + 1)
-    assert t["device_bytes"]["lower"] == per_token["lower"] * (TEST_POOL + 1)
+    assert t["device_bytes"]["lower"] == per_token["lower"] * (POOL + 1)
     assert t["upper_slots_used"] == 0 and t["working_sets"] == 0
     assert t["watershed"] == WATERSHED and t["unstored_tokens"] == 0
+    # six selections (the 5th question to the last): a round none kept is dropped, its
+    # host rows freed
+    assert t["dropped_rounds"] - before["dropped_rounds"] >= 1, t
 
 
 def test_aborted_streams_free_their_working_sets(rounds_server, hf_tok):
@@ -111,4 +126,48 @@ def test_aborted_streams_free_their_working_sets(rounds_server, hf_tok):
                   max_new_tokens=200)
     live = wait_until_freed(rounds_server.url)
     assert live["round_working_sets"] == 0 and live["round_upper_slots"] == 0, live
-    assert _tiers(rounds_server.url)["upper_slots_used"] == 0
+    t = _tiers(rounds_server.url)
+    assert t["upper_slots_used"] == 0 and t["stale_slots"] == 0, t
+
+
+def _generate(url: str, text: str) -> tuple[list[int], dict]:
+    body = {"text": text, "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+    out = requests.post(url + "/generate", json=body, timeout=300)
+    out.raise_for_status()
+    meta = out.json()["meta_info"]
+    return [t[1] for t in meta["output_token_logprobs"]], meta
+
+
+def _state(url: str) -> dict:
+    return requests.get(url + "/sgl_spec/cache", timeout=60).json()
+
+
+def test_a_demoted_conversation_comes_back_from_the_host_tier(rounds_server, hf_tok):
+    """HiCache's host pool holds the lower tier's layers (Krul compresses them there); the
+    rounds' upper blocks stay on the radix nodes. After another conversation takes the
+    pool, the first one's question is served from its host copy: its history cached (host
+    hits), round selection as before, the same greedy answer (or a first divergence at a
+    near tie: Krul's k8v4 rows are not the float32 ones)."""
+    url = rounds_server.url
+    conv = conversation(hf_tok, rounds=6, round_tokens=(60, 120), seed=14, asked=2)
+    _play(url, conv, answer_tokens=1)
+    text = hf_tok.apply_chat_template(list(conv.messages), tokenize=False,
+                                      add_generation_prompt=True)
+    ids, meta = _generate(url, text)
+    other = conversation(hf_tok, rounds=10, round_tokens=(100, 160), seed=15, asked=3)
+    _play(url, other, answer_tokens=1)  # more than the pool holds beside the first one
+    before = _state(url)
+    again, again_meta = _generate(url, text)
+    after = _state(url)
+    host = (again_meta.get("cached_tokens_details") or {}).get("host", 0)
+    assert host > 200 and again_meta["cached_tokens"] >= meta["cached_tokens"] - 16, again_meta
+    assert after["krul"]["nodes"] >= 1 and after["restore"]["loads"] > before["restore"]["loads"]
+    t0, t1 = before["tiers"], after["tiers"]
+    assert t1["selections"] - t0["selections"] == 1 and t1["exact_selections"] == \
+        t0["exact_selections"]  # six earlier rounds: a selection, not all of them
+    assert t1["upper_slots_used"] == 0 and t1["working_sets"] == 0
+    if again != ids:
+        j = first_divergence(ids, again)
+        top = meta["output_top_logprobs"]
+        assert j < len(top) and top[j][0][0] - top[j][1][0] <= NEAR_TIE_NATS, (ids, again, top)

@@ -145,6 +145,29 @@ class SharedHolds(RuleBasedStateMachine):
         freed = self.slots.drop(torch.tensor(full))
         assert freed == len([s for s in full if s not in still])
 
+    @precondition(lambda self: self.holds)
+    @rule(data=st.data())
+    def rekey(self, data):
+        """sglang frees a request's slot of a token the tree holds in another slot and
+        points the request there: the hold follows (the tree's slot unmapped: the upper
+        slot moves with it, rows untouched; mapped: shared)."""
+        h = self.holds[data.draw(st.integers(0, len(self.holds) - 1))]
+        count: dict[int, int] = {}
+        for s in (s for hold in self.holds for s in hold):
+            count[s] = count.get(s, 0) + 1
+        own = [s for s in h if count[s] == 1]
+        if not own:
+            return
+        src = data.draw(st.sampled_from(own))
+        dst = data.draw(st.sampled_from([s for s in range(FULL) if s not in h]))
+        upper = int(self.slots.translate(torch.tensor([src]))[0])
+        moved = int(self.slots.translate(torch.tensor([dst]))[0]) < 0
+        self.slots.rekey(torch.tensor([src]), torch.tensor([dst]))
+        h[h.index(src)] = dst
+        assert int(self.slots.translate(torch.tensor([src]))[0]) == -1
+        if moved:
+            assert int(self.slots.translate(torch.tensor([dst]))[0]) == upper
+
     @invariant()
     def held_exactly_while_someone_holds_it(self):
         assert self.slots.check() == []
@@ -221,3 +244,11 @@ def test_on_cuda_a_block_is_pinned_and_round_trips_while_its_slots_are_reused():
     blocks.load(block, k, v, other)
     torch.cuda.synchronize()
     assert all(torch.equal(k[i][other].cpu(), want[i]) for i in range(13))
+
+
+def test_a_slot_listed_twice_is_two_holds():
+    slots = UpperSlots(FULL, UPPER)
+    slots.acquire(torch.tensor([3, 4]))
+    slots.acquire(torch.tensor([3]))
+    assert slots.drop(torch.tensor([3, 3, 4])) == 2 and slots.used() == 0
+    assert slots.check() == []

@@ -72,7 +72,7 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         from sgl_spec.rounds.runtime import RoundRuntime
 
         r = cfg.rounds
-        rounds = RoundRuntime(tiers, r.strategy, r.recent, r.min_rounds)
+        rounds = RoundRuntime(tiers, r.strategy, r.recent, r.min_rounds, r.drop_after)
         hub.add_release_listener(rounds.release)
         hub.add_idle_listener(rounds.idle)
         hub.add_live_source("round_seeds", lambda: len(rounds.seeds))

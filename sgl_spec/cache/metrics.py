@@ -98,7 +98,7 @@ class CacheMetrics:
             )
 
     TIER_FIGURES = ("host_bytes", "host_blocks", "upper_slots_used", "working_sets",
-                    "selections", "tokens_seen", "tokens_kept")
+                    "selections", "tokens_seen", "tokens_kept", "dropped_rounds")
 
     def update_tiers(self, totals: dict) -> None:
         """Round mode's figures from ``RoundRuntime.totals`` (``GET /sgl_spec/cache`` ->

@@ -298,9 +298,12 @@ class TaggedRadixCache(SpecRadixCache):
         request's attention path is seeded with those rounds."""
         import dataclasses
 
-        hit = self.tree_core.deepest(result.last_device_node, ROUNDS)
+        # HiCache: the deepest node matched may be on the host only (its rounds' blocks
+        # stay with it), and a load-back brings its lower layers
+        node = getattr(result, "best_match_node", None) or result.last_device_node
+        hit = self.tree_core.deepest(node, ROUNDS)
         end = 0 if hit is None else hit[0]
-        if end < result.device_prefix_len:
+        if end < result.device_prefix_len + getattr(result, "host_hit_length", 0):
             result = super().match_prefix(dataclasses.replace(params, key=params.key[:end]))
         self.rounds.seed(params.req.rid, None if hit is None else hit[1].upto(end))
         return result
@@ -308,6 +311,8 @@ class TaggedRadixCache(SpecRadixCache):
     def _checkpointed(self, req, up_to: int) -> None:
         if self.rounds is not None:
             ids = req.full_untruncated_fill_ids
+            self.rounds.rekey(req.rid, self.req_to_token_pool.req_to_token[req.kv.req_pool_idx],
+                              up_to)
             for end, hist in self.rounds.store(req.rid, ids, up_to, self.turn_format):
                 self.tree_core.attach(self._key(req, end), end, ROUNDS, hist)
         obs = self.links.observer

@@ -12,14 +12,19 @@ a ``RoundHistory``; the cache matches no further than they reach). Per forward p
   selects with the configured strategy (``select``), keeps round 0 (the system prompt)
   and loads the kept rounds' blocks into upper slots, one block copy per round
   (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
-  them (exact). Where the upper tier is full, the least important kept rounds are left
+  them (exact). With ``drop_after`` N > 0 (Sec. 3.4, opt-in) a round no selection kept
+  for N questions in a row is dropped: its block freed, never a candidate again
+  (``dropped_rounds``). Where the upper tier is full, the least important kept rounds are left
   out (of this request at its selection, of the request keeping the most tokens when a
   pass's new tokens need room), counted as ``trimmed_rounds``; only when the running
   requests' own tokens fill the tier does a pass fail (``CapacityError``);
 * at the upper layers, extends and decodes attend the kept rounds and the request's own
   tokens (``extend_upper``, ``decode_upper``).
 
-At a checkpoint the cache ``store``s the request's own tokens as blocks, one per round
+At a checkpoint sglang frees the request's slots of tokens the tree already held and points
+its row at the tree's; ``rekey`` moves their upper slots along first (a freed full slot is
+never left mapped, to be handed to a new token while a request reads it). Then the cache
+``store``s the request's own tokens as blocks, one per round
 (turn tags), and keeps the longer history on the nodes where each round ends. ``release``
 (finish, abort, retraction) drops every upper slot the request holds. Not thread-safe:
 the scheduler thread makes every call.
@@ -62,9 +67,8 @@ class _Req:
     row: int  # its req_to_token row
     loaded: dict[int, torch.Tensor] = field(default_factory=dict)  # piece -> full slots held
     rank: list[int] = field(default_factory=list)  # kept rounds, least important first
-    # its own tokens' full slots, per pass, from own_start (held too). Not req_to_token's:
-    # a checkpoint that finds some of them in the tree already points the row at the
-    # tree's slots, whose upper KV is nowhere; these hold this request's.
+    # its own tokens' full slots, per pass, from own_start (held too): those it wrote,
+    # until a checkpoint points its row at the tree's slots of some (``rekey``)
     own: list[torch.Tensor] = field(default_factory=list)
     kept: list[int] | None = None  # indices into history.rounds (None: not selected yet)
     kept_pos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
@@ -89,10 +93,10 @@ class RoundPlan:
 
 class RoundRuntime:
     def __init__(self, tiers: Tiers, strategy_name: str = "topk", recent: int = 1,
-                 min_rounds: int = 4):
+                 min_rounds: int = 4, drop_after: int = 0):
         self.tiers = tiers
         self.how = strategy(strategy_name)
-        self.recent, self.min_rounds = recent, min_rounds
+        self.recent, self.min_rounds, self.drop_after = recent, min_rounds, drop_after
         self.select_layer = tiers.first_layer + tiers.split - 1  # L_w, 0-based
         self.states: dict[str, _Req] = {}
         self.seeds: OrderedDict[str, tuple[RoundHistory, int]] = OrderedDict()
@@ -102,7 +106,8 @@ class RoundRuntime:
         self.counts = {"selections": 0, "exact_selections": 0, "rounds_seen": 0,
                        "rounds_kept": 0, "tokens_seen": 0, "tokens_kept": 0,
                        "blocks_loaded": 0, "tokens_loaded": 0, "blocks_stored": 0,
-                       "unstored_tokens": 0, "trimmed_rounds": 0}
+                       "unstored_tokens": 0, "trimmed_rounds": 0, "dropped_rounds": 0,
+                       "rekeyed_tokens": 0, "stale_slots": 0}
 
     # ---- from the radix cache ------------------------------------------------------
     def seed(self, rid: str, history: RoundHistory | None) -> None:
@@ -160,6 +165,26 @@ class RoundRuntime:
             self.counts["blocks_stored"] += 1
         return out
 
+    def rekey(self, rid: str, row: torch.Tensor, up_to: int) -> None:
+        """After a checkpoint of ``rid`` up to ``up_to`` (``row``: its ``req_to_token`` row
+        now): where the row points at the tree's slot of a token the request computed in a
+        slot of its own (which sglang freed), the token's upper slot follows the row."""
+        st = self.states.get(rid)
+        if st is None or not st.own:
+            return
+        own = st.own_full()
+        n = min(own.numel(), up_to - st.own_start)
+        if n <= 0:
+            return
+        tree = row[st.own_start : st.own_start + n].long()
+        diff = torch.nonzero(own[:n] != tree).flatten()
+        if diff.numel():
+            self.tiers.slots.rekey(own[diff], tree[diff])
+            own = own.clone()
+            own[diff] = tree[diff]
+            st.own = [own]
+            self.counts["rekeyed_tokens"] += diff.numel()
+
     # ---- per pass ------------------------------------------------------------------
     def plan(self, batch: BatchView) -> RoundPlan | None:
         if batch.mode not in ("decode", "extend"):
@@ -175,6 +200,9 @@ class RoundRuntime:
                 st = self._start(rid, batch.seq_lens[b] - n, batch.pool_rows[b])
             loc = batch.out_cache_loc[at : at + n].long().clone()  # sglang reuses its buffer
             at += n
+            stale = self.tiers.slots.mapped(loc)
+            if bool(stale.any()):
+                self._stale(loc[stale], rid)
             if self.tiers.slots.acquire(loc) is None:
                 self._make_room(n, rid)
                 if self.tiers.slots.acquire(loc) is None:  # _make_room raised otherwise
@@ -198,6 +226,15 @@ class RoundRuntime:
                 torch.tensor([r.own_start for r in reqs], dtype=torch.int64),
                 self.tiers.slots, self.tiers.k_bufs[0].shape[1])
         return plan
+
+    def _stale(self, full: torch.Tensor, rid: str) -> None:
+        """Full slots sglang allocated to new tokens of ``rid`` that are still mapped: freed
+        behind round mode's back (every known free is rekeyed first). Counted (the
+        endpoint's ``stale_slots``, which the tests hold at 0) and logged; the new token
+        then shares the old one's upper slot, as before ``rekey`` existed."""
+        self.counts["stale_slots"] += full.numel()
+        logger.error("round mode: %d new token slot(s) of %s are still mapped (a full slot "
+                     "freed without a rekey)", full.numel(), rid)
 
     def _start(self, rid: str, prefix: int, row: int) -> _Req:
         hist, _ = self.seeds.pop(rid, (RoundHistory(), 0))
@@ -224,7 +261,7 @@ class RoundRuntime:
             st, sp = plan.reqs[b], spans[b]
             rounds = st.history.rounds
             groups = st.history.groups()
-            cands = [g for g in groups if g != 0]
+            cands = [g for g in groups if g != 0 and not rounds[groups[g][0]].block.dropped]
             if len(cands) < self.min_rounds:
                 ranked = cands  # all of them, the oldest the least important
                 self.counts["exact_selections"] += 1
@@ -236,6 +273,8 @@ class RoundRuntime:
                 share = share / share.sum().clamp_min(1e-30)
                 picked = select(share, self.how, self.recent)
                 ranked = [cands[i] for i in sorted(picked, key=lambda i: float(share[i]))]
+            if self.drop_after:
+                self._age(rounds, [groups[g] for g in cands], set(ranked))
             ranked = ranked + ([0] if 0 in groups else [])  # round 0 the most important
             st.rank = []
             for g in reversed(ranked):  # most important first; what does not fit is left
@@ -251,6 +290,18 @@ class RoundRuntime:
             c["rounds_kept"] += len(st.rank)
             c["tokens_seen"] += total
             c["tokens_kept"] += st.kept_pos.numel()
+
+    def _age(self, rounds, cands: list[list[int]], kept: set[int]) -> None:
+        """Sec. 3.4: a candidate round (its pieces) this selection kept is fresh again;
+        one it left ages a question, and is dropped once it reaches ``drop_after``."""
+        for pieces in cands:
+            group = [rounds[i].block for i in pieces]
+            for block in group:
+                block.unused = 0 if rounds[pieces[0]].round in kept else block.unused + 1
+            if group[0].unused >= self.drop_after:
+                for block in group:
+                    block.drop()
+                self.counts["dropped_rounds"] += 1
 
     def _set_kept(self, st: _Req) -> None:
         st.kept = sorted(st.loaded)

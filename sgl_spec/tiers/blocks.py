@@ -24,6 +24,14 @@ import torch
 class RoundBlock:
     data: torch.Tensor  # [layers, 2, tokens, kv_heads, head_dim], pool dtype, host
     ready: torch.cuda.Event | None = None  # recorded after the device-to-host copy
+    unused: int = 0  # questions in a row whose selection did not keep it (Sec. 3.4)
+    dropped: bool = False  # its rows were freed: nothing loads it again
+
+    def drop(self) -> None:
+        """Free the host rows (Sec. 3.4); the block stays a (0-byte) placeholder so the
+        histories that refer to it keep their positions."""
+        self.wait()
+        self.data, self.ready, self.dropped = self.data[:, :, :0].clone(), None, True
 
     def wait(self) -> None:
         """Block the host until ``data`` holds the stored rows (a no-op on a CPU)."""
@@ -60,6 +68,8 @@ def load(block: RoundBlock, k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[tor
     """Copy ``block`` (its token ``rows`` ([n] int64), all by default) into rows ``upper``
     ([n] int64) of every upper layer: one copy of the block to the device, then one
     indexed copy per layer."""
+    if block.dropped:
+        raise ValueError("a dropped round's block has no rows to load")
     n = block.tokens if rows is None else rows.numel()
     if upper.numel() != n or len(k_bufs) != block.data.shape[0]:
         raise ValueError(f"{n} rows of a block of {block.tokens} tokens x "

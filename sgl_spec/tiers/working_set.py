@@ -77,15 +77,35 @@ class UpperSlots:
         return upper, new
 
     def drop(self, full: torch.Tensor) -> int:
-        """One holder fewer of each of ``full`` (mapped, distinct); slots nobody holds any
-        more are freed. Returns how many were freed."""
+        """One holder fewer of each of ``full`` (mapped; a slot listed twice is two
+        holds); slots nobody holds any more are freed. Returns how many were freed."""
         upper = self.map[full]
         if bool((upper < 0).any()):
             raise ValueError(f"drop: full slots not mapped: {full[upper < 0].tolist()[:8]}")
         cpu = upper.cpu()
-        self.refs[cpu] -= 1
+        self.refs.index_add_(0, cpu, torch.full_like(cpu, -1, dtype=self.refs.dtype))
         last = self.refs[cpu] <= 0
-        return self.release(full[last.to(full.device)]) if bool(last.any()) else 0
+        return self.release(torch.unique(full[last.to(full.device)])) if bool(last.any()) else 0
+
+    def rekey(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """One hold on each of ``src`` moves to ``dst`` ([n] int64, pairwise; sglang freed
+        ``src`` and points the request at ``dst``, which holds the same token): where
+        ``dst`` has no upper slot, ``src``'s becomes ``dst``'s (no copy); where it has one
+        (another holder's copy of the same token), the hold moves to it and ``src``'s is
+        dropped. ValueError where a moved slot has other holders (its rows cannot serve
+        two full slots)."""
+        if src.numel() != dst.numel():
+            raise ValueError(f"rekey: {src.numel()} source slots, {dst.numel()} targets")
+        move = ~self.mapped(dst)
+        if bool(move.any()):
+            s, d = src[move], dst[move]
+            upper = self.map[s]
+            if bool((upper < 0).any()) or bool((self.refs[upper.cpu()] != 1).any()):
+                raise ValueError("rekey: a moved slot is unmapped or held twice")
+            self.map[d], self.map[s] = upper, -1
+        if bool((~move).any()):
+            self.acquire(dst[~move])
+            self.drop(src[~move])
 
     def release(self, full: torch.Tensor) -> int:
         """Unmap those of ``full`` that are mapped and free their upper slots (finish,

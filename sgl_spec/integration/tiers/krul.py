@@ -197,13 +197,27 @@ def strategy_for(cfg: KrulConfig, num_model_layers: int, pool_layers: int) -> St
     """The model's pairs (from its calibration statistics) over the pool's layers; pool
     layers past the model's (SpeContext's head layer) are never paired."""
     from sgl_spec.krul import calibrate
-    from sgl_spec.krul.select import select_pairs
 
     sim = calibrate.load(cfg.stats_path)
-    if sim.num_layers != num_model_layers:
+    if not holds(sim.num_layers, num_model_layers):
         raise ValueError(f"Krul statistics {cfg.stats_path!r} are for {sim.num_layers} "
                          f"layers, the model has {num_model_layers}")
-    s = select_pairs(sim.ir_share(), sim.distances(), gamma=cfg.gamma, ratio=cfg.ratio)
+    return pairs_over(sim, num_model_layers, pool_layers, cfg)
+
+
+def holds(stats_layers: int, held: int) -> bool:
+    """Whether statistics of ``stats_layers`` layers describe a host pool holding the
+    model's first ``held``: all of them, or under round mode the lower tier (layers from
+    L_w up live in the rounds' host blocks, not in the pool)."""
+    return held == stats_layers or (current().rounds.enable and 0 < held < stats_layers)
+
+
+def pairs_over(sim, held: int, pool_layers: int, cfg: KrulConfig) -> Strategy:
+    """Algorithm 1 over the first ``held`` layers of ``sim`` (those the host pool holds)."""
+    from sgl_spec.krul.select import select_pairs
+
+    s = select_pairs(sim.ir_share()[:held], sim.distances()[:held, :held], gamma=cfg.gamma,
+                     ratio=cfg.ratio)
     return Strategy(pool_layers, s.pairs, s.input_sensitive)
 
 
@@ -295,16 +309,12 @@ class Compressor:
         sim = conversation_stats(node) if self.cfg.strategy == "conversation" else None
         if sim is None or sim.observed() < MIN_OBSERVED:
             return self.model_strategy(pool), "model"
-        from sgl_spec.krul.select import select_pairs
-
         L = model_layers(pool.layer_num)
-        if sim.num_layers != L:  # cannot happen with one model; never stop the scheduler
+        if not holds(sim.num_layers, L):  # not with one model; never stop the scheduler
             logger.error("sgl_spec krul: a conversation's statistics cover %d layers, the "
-                         "model has %d: the model's pairs instead", sim.num_layers, L)
+                         "pool %d: the model's pairs instead", sim.num_layers, L)
             return self.model_strategy(pool), "model"
-        s = select_pairs(sim.ir_share(), sim.distances(), gamma=self.cfg.gamma,
-                         ratio=self.cfg.ratio)
-        return Strategy(pool.layer_num, s.pairs, s.input_sensitive), "conversation"
+        return pairs_over(sim, L, pool.layer_num, self.cfg), "conversation"
 
     def share(self, pool: KrulHostPool) -> float:
         """The recompute share of a restore: the restore profile's host tier (0 without

@@ -11,13 +11,17 @@ and ``tiers.slots`` (``sgl_spec.tiers.working_set.UpperSlots``) maps a full slot
 upper slot. Writes to an upper layer go through the map (``_store_kv_layer``); an
 unmapped slot's write lands in the scratch row, which nothing reads. Reads are the
 attention backend's: it translates a request's indices itself
-(``sgl_spec.rounds.runtime``). Everything else is the in-tree pool's.
+(``sgl_spec.rounds.runtime``). HiCache's host pool (and Krul's, built on it) is given the
+lower tier's layers only (``get_device_pool_infos``): a conversation's upper layers are
+in its rounds' host blocks already, and its upper slots are a working set's, not the
+full slots' a host copy is made from. Everything else is the in-tree pool's.
 """
 
 from __future__ import annotations
 
 import logging
 
+import msgspec
 import torch
 from sglang.srt.mem_cache.memory_pool import KvBufferDesc, MHATokenToKVPool
 
@@ -67,6 +71,24 @@ class TieredMHAPool(MHATokenToKVPool):
                              tokens_per_row=1)
                 for p, bufs in (("k", self.k_buffer), ("v", self.v_buffer))
                 for i, b in enumerate(bufs)]
+
+    def get_device_pool_infos(self):
+        """The buffers a host tier mirrors (sglang's HiCache assembly reads this): the lower
+        tier's layers. A host pool then copies those by full slot; its per-layer loads skip
+        the upper layers (``load_to_device_per_layer`` returns past its own layers)."""
+        infos = super().get_device_pool_infos()
+        if self.tiers is None:
+            return infos
+        split = self.tiers.split
+        (info,) = infos
+        b = info.buffer_info.buffers
+        lower = msgspec.structs.replace(
+            b, k=b.k[:split], v=b.v[:split],
+            k_data_ptrs=None if b.k_data_ptrs is None else b.k_data_ptrs[:split],
+            v_data_ptrs=None if b.v_data_ptrs is None else b.v_data_ptrs[:split])
+        return (msgspec.structs.replace(
+            info, layer_ids=info.layer_ids[:split],
+            buffer_info=msgspec.structs.replace(info.buffer_info, buffers=lower)),)
 
     def _store_kv_layer(self, layer_idx, loc, cache_k, cache_v):
         if self.tiers is not None and layer_idx >= self.tiers.split:
