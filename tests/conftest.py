@@ -201,10 +201,12 @@ class Early(NamedTuple):
     # memory) but when the module before its first test starts, once the module-scoped
     # servers of the modules before that have stopped: it boots while that module runs
     lazy: bool = False
+    timeout_s: float = 240.0  # from launch to healthy (a first start that measures: more)
 
     def server(self, model_path: str, log_path: str | None = None) -> ServerProcess:
         env = self.env(model_path) if self.env else None
-        return ServerProcess(self.module, self.flags(model_path), log_path=log_path, env=env)
+        return ServerProcess(self.module, self.flags(model_path), log_path=log_path, env=env,
+                             timeout_s=self.timeout_s)
 
 
 EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs

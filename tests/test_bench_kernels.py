@@ -76,7 +76,8 @@ def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys)
     from sgl_spec.bench import decode_kernels
 
     decode_kernels.main(["--out", str(tmp_path), "--histories", "64", "300", "--batches", "2",
-                         "--layers", "2", "--repeats", "1", "--budget", "32"])
+                         "--layers", "2", "--repeats", "1", "--budget", "32",
+                         "--kept-share", "0.5"])
     res = json.loads((tmp_path / "results.json").read_text())
     short, long_ = res["points"]
     assert set(short["ms"]) == {"torch_native", "exact cpu", "exact torch"}
@@ -85,7 +86,9 @@ def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys)
         assert pt["vs_torch_native"]["torch_native"] == 1.0
         assert all(v > 0 for v in pt["ms"].values())
         assert all(e < 2e-2 for e in pt["rel_err"].values())  # bf16 against fp64
-    assert "| 300 | 2 | loopserve cpu |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 300 | 2 | loopserve cpu |" in out and "| 300 | 2 | round cpu |" in out
+    assert res["config"]["watershed"] == 1  # 0.4 of the layers
 
 
 def test_split_tune_table_marks_the_default_and_refuses_a_cpu_host(capsys):

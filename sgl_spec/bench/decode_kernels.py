@@ -12,7 +12,13 @@ scattered slots, as a server's pool after some churn), through
 * ``exact cpu`` / ``exact torch``: sgl_spec's exact mode, ``sparse_decode`` over dense
   subsets with the C++ kernel or the torch fallback (SDPA's fused kernel);
 * ``loopserve cpu``: a sparse step of LoopServe B=``--budget`` (sink 4, window 64 + 16
-  decoded tokens), what a selected request attends.
+  decoded tokens), what a selected request attends;
+* ``round cpu``: a round-mode step: layers 1..``--watershed`` over the whole history, the
+  layers above over ``--kept-share`` of it (round 0, the kept rounds, the current round;
+  here the share as scattered positions), each with the C++ kernel.
+
+``--kv-dtype float32`` times the pool dtype a CPU server uses by default (bfloat16: the
+default here, what a GPU server uses).
 
 Reports the median milliseconds of ``--repeats`` after one warm-up, the ratio to
 torch_native, and each path's relative error against float64 attention over the same
@@ -37,6 +43,7 @@ since stock sglang decodes through FlashInfer there, which this bench does not l
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 
@@ -46,7 +53,7 @@ from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets, sparse_
 from sgl_spec.kernels.sparse_decode.common import check_inputs, check_out, dims_of
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
 
-PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu")
+PATHS = ("torch_native", "exact cpu", "exact torch", "loopserve cpu", "round cpu")
 ONE_SPLIT = " (1 split)"  # path suffix: the Triton kernel with num_splits=1
 PER_LAYER = " (plan per layer)"  # path suffix: FlashInfer planned at every layer
 CUDA_PATHS = ("dense sdpa", "exact triton", f"exact triton{ONE_SPLIT}", "exact flashinfer",
@@ -54,13 +61,21 @@ CUDA_PATHS = ("dense sdpa", "exact triton", f"exact triton{ONE_SPLIT}", "exact f
               f"loopserve flashinfer{PER_LAYER}", "loopserve torch")
 
 
+class Tiered(NamedTuple):
+    """Round mode's step: layers below ``split`` over ``lower``, the rest over ``upper``."""
+
+    split: int
+    lower: DecodeSubsets
+    upper: DecodeSubsets
+
+
 def _setup(history: int, batch: int, layers: int, hq: int, hkv: int, d: int, seed: int = 0,
-           device: str = "cpu"):
+           device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator(device).manual_seed(seed)
     pool = batch * history + 64
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g, device=device).bfloat16()
+        return torch.randn(*shape, generator=g, device=device).to(dtype)
 
     ks = [randn(pool, hkv, d) for _ in range(layers)]
     vs = [randn(pool, hkv, d) for _ in range(layers)]
@@ -91,6 +106,11 @@ def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs,
 
     def ours(path, captured=False):
         impl, sub = path.split()[1], subsets[path]
+        if isinstance(sub, Tiered):  # round mode
+            split, lower, upper = sub
+            return lambda: [sparse_decode(q, k, v, lower if i < split else upper, scale=scale,
+                                          impl=impl, out=out, check=i in (0, split))
+                            for i, (k, v) in enumerate(zip(ks, vs))][-1]
         if path.endswith(ONE_SPLIT):
             return lambda: _one_pass(q, ks, vs, sub, scale, out, check=not captured)
         if impl == "flashinfer" and not path.endswith(PER_LAYER):
@@ -122,6 +142,7 @@ def _measure(base: str, base_fn, subsets: dict, dense: DecodeSubsets, q, ks, vs,
     errs, refs = {}, {}
     for p, fn in fns.items():
         sub = subsets.get(p, dense)
+        sub = sub.upper if isinstance(sub, Tiered) else sub  # round: the last layer's
         if id(sub) not in refs:  # paths over the same subsets share one (slow) reference
             # The reference computes in float64 from fp32 copies of the same values.
             refs[id(sub)] = sparse_decode_reference(q.float(), ks[-1].float(), vs[-1].float(),
@@ -187,16 +208,20 @@ def _has_flashinfer() -> bool:
 
 
 def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
-              hq: int = 9, hkv: int = 3, d: int = 64) -> dict:
+              hq: int = 9, hkv: int = 3, d: int = 64, dtype: torch.dtype = torch.bfloat16,
+              watershed: int = 12, kept_share: float = 0.15) -> dict:
     from sgl_spec.integration.standalone import torch_native_decode
 
-    ks, vs, r2t, q = _setup(history, batch, layers, hq, hkv, d)
+    ks, vs, r2t, q = _setup(history, batch, layers, hq, hkv, d, dtype=dtype)
     rows, seq = torch.arange(batch), torch.full((batch,), history)
     scale = d**-0.5
     dense = dense_subsets(r2t, rows, seq, hkv)
     subsets = {"exact cpu": dense, "exact torch": dense}
     if history > budget + 4 + 80:
         subsets["loopserve cpu"] = _sparse(r2t, rows, seq, hkv, budget)
+    kept = int(kept_share * history) - 4 - 80
+    if 0 < watershed < layers and kept > 0:
+        subsets["round cpu"] = Tiered(watershed, dense, _sparse(r2t, rows, seq, hkv, kept))
     out = torch.empty_like(q)
 
     def native():
@@ -258,8 +283,12 @@ def markdown(res: dict) -> str:
                             "-" if g is None or not g0 else render.ratio(g / g0)]
                 rows.append(row + [f"{pt['rel_err'][p]:.1e}"])
     where = c.get("gpu") if cuda else f"{c['threads']} threads"
-    head = (f"One decode step, {c['layers']} layers, 9/3 heads, head_dim 64, bf16 KV, "
+    kv = {"bfloat16": "bf16", "float32": "fp32"}.get(c.get("kv_dtype", "bfloat16"))
+    head = (f"One decode step, {c['layers']} layers, 9/3 heads, head_dim 64, {kv} KV, "
             f"{where}, median of {c['repeats']}.")
+    if not cuda and c.get("watershed"):
+        head += (f" Round: layers 1-{c['watershed']} dense, the rest over "
+                 f"{c['kept_share']:.0%} of the history.")
     cols = ["history", "batch", "path", "ms / step", f"vs {base}"]
     if graph:
         cols += ["ms / step, CUDA graph", f"vs {base}, graph"]
@@ -275,6 +304,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--kv-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the KV pool's dtype (a CPU server's default is float32)")
+    ap.add_argument("--watershed", type=int, default=None,
+                    help="round cpu: layers attending the whole history (L_w; default 0.4 "
+                         "of --layers, 12 of 30: the default model's calibrated L_w; 0: no "
+                         "round row)")
+    ap.add_argument("--kept-share", type=float, default=0.15,
+                    help="round cpu: the share of the history the upper layers attend (k/T)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="with --device cuda: also time each step captured in a CUDA graph "
                          "and replayed, as sglang decodes on a GPU")
@@ -286,15 +323,27 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--device cuda needs a CUDA GPU; valid here: cpu")
     if min(args.histories + args.batches + [args.layers, args.repeats, args.budget]) < 1:
         ap.error("--histories, --batches, --layers, --repeats and --budget must be >= 1")
+    if args.watershed is None:
+        args.watershed = round(0.4 * args.layers)
+    if not 0 <= args.watershed < args.layers or not 0 < args.kept_share <= 1:
+        ap.error(f"--watershed must be in 0..{args.layers - 1} and --kept-share in (0, 1]")
     cli.set_threads(args.threads)
     point = run_point_cuda if args.device == "cuda" else run_point
     config = {"layers": args.layers, "repeats": args.repeats, "budget": args.budget,
-              "threads": torch.get_num_threads(), "device": args.device}
+              "threads": torch.get_num_threads(), "device": args.device,
+              "kv_dtype": args.kv_dtype}
+    if args.device == "cpu":
+        config |= {"watershed": args.watershed, "kept_share": args.kept_share}
+        extra = {"dtype": getattr(torch, args.kv_dtype), "watershed": args.watershed,
+                 "kept_share": args.kept_share}
+    elif args.kv_dtype != "bfloat16":
+        ap.error("--kv-dtype float32 is timed on cpu only")
     if args.device == "cuda":
         config["gpu"] = torch.cuda.get_device_name()
     if args.cuda_graph and args.device != "cuda":
         ap.error("--cuda-graph needs --device cuda")
-    extra = {"graph": True} if args.cuda_graph else {}
+    if args.device == "cuda":
+        extra = {"graph": True} if args.cuda_graph else {}
     res = {"config": config,
            "points": [point(h, b, args.layers, args.budget, args.repeats, **extra)
                       for h in args.histories for b in args.batches]}
