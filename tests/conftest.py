@@ -245,6 +245,7 @@ def early_server(name: str, model_path: str):
         raise RuntimeError(f"the shared server {name} could not be launched") \
             from _launch_failed.pop(name)
     with _launched.pop(name, None) or EARLY_SERVERS[name].server(model_path) as server:
+        _timeline(server=name, event="healthy")
         yield server
         _assert_invariants_held(server)
 
@@ -342,6 +343,7 @@ def pytest_collection_finish(session):
             try:
                 server = EARLY_SERVERS[name].server(model, log_path=str(logs / f"{name}.log"))
                 _launched[name] = server.launch()
+                _timeline(server=name, event="launch")
                 if EARLY_SERVERS[name].host_tier:  # its host pool is sized once it is up:
                     server.wait_healthy()  # the next ones may take the memory it checked
             except BaseException as exc:  # re-raised by the fixture that needs it
@@ -369,12 +371,45 @@ def _plan_lazy(items, names: list[str]) -> None:
         _lazy_at.setdefault(items[at].nodeid, []).append(name)
 
 
+# SGLSPEC_TEST_TIMELINE=FILE: each test's phases with wall-clock start and end, and the
+# shared servers' launch and healthy times, as JSON lines (where the suite's time goes).
+_TIMELINE = os.environ.get("SGLSPEC_TEST_TIMELINE")
+
+
+def _timeline(**rec) -> None:
+    if _TIMELINE:
+        import json
+        import time
+
+        with open(_TIMELINE, "a") as f:
+            f.write(json.dumps({"t": round(time.time(), 2), **rec}) + "\n")
+
+
+def _sample_load() -> None:
+    while True:
+        with open("/proc/loadavg") as f:
+            _timeline(load1=float(f.read().split()[0]))
+        _session_over.wait(10)
+        if _session_over.is_set():
+            return
+
+
+if _TIMELINE and os.path.exists("/proc/loadavg") and not os.environ.get(
+        "SGLSPEC_TEST_BLOCK_SGLANG"):
+    threading.Thread(target=_sample_load, name="load-sampler", daemon=True).start()
+
+
+def pytest_runtest_logreport(report):
+    _timeline(test=report.nodeid, phase=report.when, s=round(report.duration, 2))
+
+
 def pytest_runtest_setup(item):
     for name in _lazy_at.pop(item.nodeid, ()):
         if name not in _launched:
             log = _logs[0] / f"{name}.log" if _logs else None
             _launched[name] = EARLY_SERVERS[name].server(_model[0], log_path=log and
                                                          str(log)).launch()
+            _timeline(server=name, event="launch")
 
 
 def pytest_sessionfinish(session):
