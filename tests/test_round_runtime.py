@@ -61,6 +61,23 @@ def _reference(q, k, v):
     return (torch.softmax(logits, -1) @ vh).transpose(0, 1)
 
 
+def _check_decode(rt, dplan, tiers, loc, kept_kv, own_kv, g):
+    """One decode step at every upper layer (the new token's KV written at ``loc``) equals
+    the float64 reference over the kept rounds' KV, the request's own and the new token's
+    (``kept_kv``, ``own_kv``: [L - SPLIT, 2, n, HKV, D])."""
+    step = torch.randn(LAYERS - SPLIT, 2, 1, HKV, D, generator=g)
+    for i in range(LAYERS - SPLIT):
+        tiers.k_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 0]
+        tiers.v_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 1]
+        q = torch.randn(1, HQ, D, generator=g)
+        out = torch.empty(1, HQ, D)
+        rt.decode_upper(dplan, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i], out, SCALE,
+                        impl="torch", check=True)
+        keys, vals = (torch.cat([kept_kv[i, j], own_kv[i, j], step[i, j]]) for j in (0, 1))
+        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_a_question_selects_its_round_and_attends_exactly_the_kept_rounds():
     g = torch.Generator().manual_seed(1)
     tiers = _pool()
@@ -104,18 +121,7 @@ def test_a_question_selects_its_round_and_attends_exactly_the_kept_rounds():
     # One decode step: the kept rounds, the own tokens and the new one.
     loc = slots[PREFIX + NEW : PREFIX + NEW + 1]
     dplan = rt.plan(_batch("decode", "q", 2, PREFIX + NEW + 1, 1, req_to_token, loc))
-    step = torch.randn(LAYERS - SPLIT, 2, 1, HKV, D, generator=g)
-    for i in range(LAYERS - SPLIT):
-        tiers.k_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 0]
-        tiers.v_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 1]
-        q = torch.randn(1, HQ, D, generator=g)
-        out = torch.empty(1, HQ, D)
-        rt.decode_upper(dplan, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i], out, SCALE,
-                        impl="torch", check=True)
-        keys = torch.cat([data[i, 0, st.kept_pos], own[i, 0], step[i, 0]])
-        vals = torch.cat([data[i, 1, st.kept_pos], own[i, 1], step[i, 1]])
-        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
-                                   rtol=1e-5)
+    _check_decode(rt, dplan, tiers, loc, data[:, :, st.kept_pos], own, g)
     # The turn ends: its own tokens become a block (one round without a format).
     stored = rt.store("q", list(range(PREFIX + NEW + 1)), PREFIX + NEW + 1, None)
     assert [(e, h.end) for e, h in stored] == [(PREFIX + NEW + 1, PREFIX + NEW + 1)]
@@ -240,19 +246,7 @@ def test_a_checkpoint_that_points_a_request_at_the_tree_s_slots_moves_its_upper_
     loc = own[1][:1]  # b's next token gets one of its freed slots back
     dplan = rt.plan(_batch("decode", "b", 1, PREFIX + NEW + 1, 1, req_to_token, loc))
     assert rt.counts["stale_slots"] == 0
-    step = torch.randn(LAYERS - SPLIT, 2, 1, HKV, D, generator=g)
-    kept = rt.states["b"].kept_pos
-    for i in range(LAYERS - SPLIT):
-        tiers.k_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 0]
-        tiers.v_bufs[SPLIT + i][tiers.upper_rows(loc)] = step[i, 1]
-        q = torch.randn(1, HQ, D, generator=g)
-        out = torch.empty(1, HQ, D)
-        rt.decode_upper(dplan, q, tiers.k_bufs[SPLIT + i], tiers.v_bufs[SPLIT + i], out, SCALE,
-                        impl="torch", check=True)
-        keys = torch.cat([data[i, 0, kept], new_kv[i, 0], step[i, 0]])
-        vals = torch.cat([data[i, 1, kept], new_kv[i, 1], step[i, 1]])
-        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
-                                   rtol=1e-5)
+    _check_decode(rt, dplan, tiers, loc, data[:, :, rt.states["b"].kept_pos], new_kv, g)
     rt.release("b")
     assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
 

@@ -308,8 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the KV pool's dtype (a CPU server's default is float32)")
     ap.add_argument("--watershed", type=int, default=None,
                     help="round cpu: layers attending the whole history (L_w; default 0.4 "
-                         "of --layers, 12 of 30: the default model's calibrated L_w; 0: no "
-                         "round row)")
+                         "of --layers; 0: no round row)")
     ap.add_argument("--kept-share", type=float, default=0.15,
                     help="round cpu: the share of the history the upper layers attend (k/T)")
     ap.add_argument("--cuda-graph", action="store_true",
