@@ -200,13 +200,14 @@ class RoundRuntime:
                 st = self._start(rid, batch.seq_lens[b] - n, batch.pool_rows[b])
             loc = batch.out_cache_loc[at : at + n].long().clone()  # sglang reuses its buffer
             at += n
-            stale = self.tiers.slots.mapped(loc)
-            if bool(stale.any()):
-                self._stale(loc[stale], rid)
-            if self.tiers.slots.acquire(loc) is None:
+            got = self.tiers.slots.acquire(loc)
+            if got is None:
                 self._make_room(n, rid)
-                if self.tiers.slots.acquire(loc) is None:  # _make_room raised otherwise
+                got = self.tiers.slots.acquire(loc)
+                if got is None:  # _make_room raised otherwise
                     raise CapacityError("round mode: the upper tier's accounting is off")
+            if not bool(got[1].all()):  # new tokens' slots are fresh: mapped ones are stale
+                self._stale(loc[~got[1]], rid)
             st.own.append(loc)
             if st.kept is None:
                 if st.history.rounds:
