@@ -61,3 +61,10 @@ def test_answers_decoding_at_once_are_counted_on_the_clients_clock():
     assert peak_overlap([r(0, 2), r(1, 3), r(2.5, 4), r(5, 6)]) == 2
     assert peak_overlap([r(0, 10), r(1, 3), r(2, 4)]) == 3
     assert peak_overlap([Reply("", None, None, 0, 0, 10)]) == 0
+
+
+def test_side_by_side_questions_rotate_the_rows():
+    rows = ["stock", "exact", "round-topk"]
+    orders = [rounds.turn_order(rows, j) for j in range(6)]
+    assert all(sorted(o) == sorted(rows) for o in orders)
+    assert [o[0] for o in orders] == rows * 2  # each row first as often as the others

@@ -21,7 +21,11 @@ Workloads (``--workload``):
   use x bytes per slot, per tier, read from the pool), against exact's and against Eq. 2
   for L_w and its kept share k/T.
 * ``speed``: one conversation of at least ``--history`` tokens, then ``--questions``
-  questions about its rounds: TTFT and decode tokens/s of each (64 tokens, ignore_eos).
+  questions about its rounds: TTFT and decode tokens/s of each (``--decode-tokens``,
+  ignore_eos). Side by side: every row's server is up at once (``--sleep-on-idle``: the
+  idle ones leave the cores to the one asked) and each question goes to every row in
+  turn, so each ratio compares rows in the same stretch of a shared machine; ``--rounds``
+  starts them all that many times.
 * ``recall``: ``--conversations`` chats of 20-40 rounds (one fact each), then a question
   about a fact of an early, a middle and a recent round each: exact match per position,
   greedy agreement with the exact row, and the kept share k/T.
@@ -41,6 +45,7 @@ import os
 import random
 import statistics
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import requests
 from tqdm import tqdm
@@ -154,17 +159,34 @@ def play_capacity(server: ServerProcess, row: str, convs, bar, probe_conv=None) 
     }
 
 
-def play_speed(server: ServerProcess, row: str, conv, questions, bar) -> dict:
-    round_play.history(server.url, conv)
-    bar.update(conv.rounds)
-    out = []
-    for msgs in questions:
-        r = round_play.ask(server.url, msgs, 64, ignore_eos=True)
-        out.append({"ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
-                    "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens})
-        bar.update()
-    tiers = _cache(server.url).get("tiers") if row != "stock" else None
-    return {"questions": out, "kept_share": tiers and tiers["kept_share"]}
+def turn_order(rows: list[str], j: int) -> list[str]:
+    """The rows in the order question ``j`` is asked of them: rotated by one per question,
+    so every row goes first (after the idlest stretch) as often as the others."""
+    k = j % len(rows)
+    return rows[k:] + rows[:k]
+
+
+def play_speed(servers: dict[str, ServerProcess], conv, warmup, questions, tokens: int,
+               bar) -> dict[str, dict]:
+    """Side by side: the history played on every row's server, one untimed question each,
+    then each question asked of every row in turn (the order rotating per question), so
+    that each question's rows meet the same stretch of a shared machine."""
+    for server in servers.values():
+        round_play.history(server.url, conv)
+        round_play.ask(server.url, warmup, 8, ignore_eos=True)
+        bar.update(conv.rounds)
+    rows = list(servers)
+    out: dict[str, list[dict]] = {row: [] for row in rows}
+    for j, msgs in enumerate(questions):
+        for row in turn_order(rows, j):
+            r = round_play.ask(servers[row].url, msgs, tokens, ignore_eos=True)
+            out[row].append({"ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
+                             "prompt_tokens": r.prompt_tokens,
+                             "cached_tokens": r.cached_tokens})
+            bar.update()
+    return {row: {"questions": out[row], "kept_share": None if row == "stock"
+                  else (_cache(servers[row].url).get("tiers") or {}).get("kept_share")}
+            for row in rows}
 
 
 def play_recall(server: ServerProcess, row: str, convs, bar) -> dict:
@@ -326,7 +348,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="capacity: round mode's upper tier, a share of its full pool")
     ap.add_argument("--history", type=int, default=6000, metavar="T",
                     help="speed: tokens of the conversation's history (default 6000)")
-    ap.add_argument("--questions", type=int, default=4, metavar="Q")
+    ap.add_argument("--questions", type=int, default=8, metavar="Q",
+                    help="speed: questions asked of every row, side by side (default 8)")
+    ap.add_argument("--decode-tokens", type=int, default=128, metavar="N",
+                    help="speed: tokens decoded per question (default 128)")
     ap.add_argument("--round-tokens", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="prose tokens of a round's user turn (default 60 120; recall 300 420: "
                     "8k-16k tokens of history, for the long-context model)")
@@ -341,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = list(dict.fromkeys(rows))
     if args.workload != "capacity" and "exact" not in rows:
         ap.error("--rows needs exact: every ratio is against it")
+    if args.decode_tokens < 2:
+        ap.error("--decode-tokens must be >= 2 (a decode rate needs two tokens)")
     for flag in ("rounds", "questions", "rounds_per_conversation"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -392,16 +419,18 @@ def main(argv: list[str] | None = None) -> None:
         conv = conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed)
         nq = 2 if q else args.questions
         rng = random.Random(args.seed)
-        questions = []
-        for i in rng.sample(range(rounds), min(nq, rounds)):
-            fact = conv.facts[i]
-            questions.append([*conv.messages[:-1], {"role": "user", "content":
-                              f"What is the {fact.key}? Answer with the number."}])
-        cfg.update(history_rounds=rounds, questions=len(questions),
+        # one question per round drawn (a new prompt each: its TTFT is a new question's),
+        # the first one the untimed warm-up
+        asked = [conv.facts[i] for i in rng.sample(range(rounds), min(nq + 1, rounds))]
+        warmup, *questions = [
+            [*conv.messages[:-1], {"role": "user", "content":
+                                   f"What is the {fact.key}? Answer with the number."}]
+            for fact in asked]
+        tokens = 32 if q else args.decode_tokens
+        cfg.update(history_rounds=rounds, questions=len(questions), decode_tokens=tokens,
                    history_tokens=n_tokens(tok, conv.messages))
         budget = int(cfg["history_tokens"] * 1.5) + 2048
-        total = len(rows) * args.rounds * (rounds + len(questions))
-        work = lambda server, row, bar: play_speed(server, row, conv, questions, bar)  # noqa
+        total = args.rounds * len(rows) * (rounds + len(questions))
     else:
         n = args.conversations or (3 if q else 18)
         rr = (20, 24) if q else (20, 40)
@@ -422,7 +451,25 @@ def main(argv: list[str] | None = None) -> None:
         with row_server(row, model, budget, lw, layers, share, extra, log) as server:
             return work(server, row, bar)
 
-    played = timing.interleaved(rows, args.rounds, run)
+    def side_by_side(i: int) -> dict[str, dict]:
+        bar.set_description(f"rounds {args.workload}: start {i + 1}")
+        with ExitStack() as stack:
+            servers = {row: row_server(row, model, budget, lw, layers, share,
+                                       [*extra, "--sleep-on-idle"],
+                                       os.path.join(args.out, f"server-{row}-{i}.log"))
+                       for row in rows}
+            for server in servers.values():
+                stack.callback(server.stop)
+                server.launch()
+            for server in servers.values():
+                server.start()
+            return play_speed(servers, conv, warmup, questions, tokens, bar)
+
+    if args.workload == "speed":  # all rows' servers up at once, each question side by side
+        starts = [side_by_side(i) for i in range(args.rounds)]
+        played = {row: [s[row] for s in starts] for row in rows}
+    else:
+        played = timing.interleaved(rows, args.rounds, run)
     bar.close()
     res = {"meta": cli.finish_meta(meta, watch), "workload": args.workload, "config": cfg,
            "summary": summarize(args.workload, played, layers, lw), "played": played}
