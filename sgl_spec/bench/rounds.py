@@ -25,13 +25,15 @@ Workloads (``--workload``):
   ignore_eos). Side by side: every row's server is up at once (``--sleep-on-idle``: the
   idle ones leave the cores to the one asked) and each question goes to every row in
   turn, so each ratio compares rows in the same stretch of a shared machine; ``--rounds``
-  starts them all that many times.
+  starts them all that many times. ``--conversations N`` plays N such conversations and
+  asks their questions at once (a wave): decode at batch N, and the wave's output tokens/s.
 * ``recall``: ``--conversations`` chats of 20-40 rounds (one fact each), then a question
   about a fact of an early, a middle and a recent round each: exact match per position,
   greedy agreement with the exact row, and the kept share k/T.
 
     python -m sgl_spec.bench.rounds --workload capacity --out DIR
     python -m sgl_spec.bench.rounds --workload speed --rows exact round --rounds 3 --out DIR
+    python -m sgl_spec.bench.rounds --workload speed --rows exact round --conversations 4 --out DIR
     python -m sgl_spec.bench.rounds --workload recall --quick --out DIR
 
 Every row reads L_w from ``--watershed`` or the model's calibrated profile
@@ -166,25 +168,37 @@ def turn_order(rows: list[str], j: int) -> list[str]:
     return rows[k:] + rows[:k]
 
 
-def play_speed(servers: dict[str, ServerProcess], conv, warmup, questions, tokens: int,
+def play_speed(servers: dict[str, ServerProcess], convs, warmups, waves, tokens: int,
                bar) -> dict[str, dict]:
-    """Side by side: the history played on every row's server, one untimed question each,
-    then each question asked of every row in turn (the order rotating per question), so
-    that each question's rows meet the same stretch of a shared machine."""
+    """Side by side: every conversation's history played on every row's server, one
+    untimed question each, then each wave (one question per conversation, asked at once)
+    sent to every row in turn (the order rotating per wave), so that a wave's rows meet
+    the same stretch of a shared machine."""
     for server in servers.values():
-        round_play.history(server.url, conv)
-        round_play.ask(server.url, warmup, 8, ignore_eos=True)
-        bar.update(conv.rounds)
+        for conv, warmup in zip(convs, warmups, strict=True):
+            round_play.history(server.url, conv)
+            round_play.ask(server.url, warmup, 8, ignore_eos=True)
+            bar.update(conv.rounds)
     rows = list(servers)
     out: dict[str, list[dict]] = {row: [] for row in rows}
-    for j, msgs in enumerate(questions):
-        for row in turn_order(rows, j):
-            r = round_play.ask(servers[row].url, msgs, tokens, ignore_eos=True)
-            out[row].append({"ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
-                             "prompt_tokens": r.prompt_tokens,
-                             "cached_tokens": r.cached_tokens})
-            bar.update()
-    return {row: {"questions": out[row], "kept_share": None if row == "stock"
+    waves_out: dict[str, list[dict]] = {row: [] for row in rows}
+    with ThreadPoolExecutor(len(convs)) as pool:
+        for j, wave in enumerate(waves):
+            for row in turn_order(rows, j):
+                url = servers[row].url
+                t0 = timing.clock()
+                replies = list(pool.map(
+                    lambda msgs: round_play.ask(url, msgs, tokens, ignore_eos=True), wave))
+                wall = timing.clock() - t0
+                out[row] += [{"ttft_s": r.ttft_s, "decode_tok_s": r.decode_tok_s,
+                              "prompt_tokens": r.prompt_tokens,
+                              "cached_tokens": r.cached_tokens} for r in replies]
+                waves_out[row].append({"output_tok_s": sum(r.completion_tokens
+                                                           for r in replies) / wall,
+                                       "decoding_at_once": round_play.peak_overlap(replies)})
+                bar.update(len(wave))
+    return {row: {"questions": out[row], "waves": waves_out[row],
+                  "kept_share": None if row == "stock"
                   else (_cache(servers[row].url).get("tiers") or {}).get("kept_share")}
             for row in rows}
 
@@ -244,8 +258,11 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
                     1 - watershed / layers)
         elif workload == "speed":
             qs = [q for run in runs for q in run["questions"]]
+            ws = [w for run in runs for w in run["waves"]]
             out[row] = {"ttft_s": timing.spread(q["ttft_s"] for q in qs),
                         "decode_tok_s": timing.spread(q["decode_tok_s"] for q in qs),
+                        "output_tok_s": timing.spread(w["output_tok_s"] for w in ws),
+                        "decoding_at_once": max(w["decoding_at_once"] for w in ws),
                         "history_tokens": min(q["prompt_tokens"] for q in qs),
                         "kept_share": runs[0]["kept_share"]}
         else:
@@ -273,6 +290,9 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
             s["decode_vs_exact"] = timing.ratio_spread(
                 [q["decode_tok_s"] for run in played[row] for q in run["questions"]],
                 [q["decode_tok_s"] for run in played["exact"] for q in run["questions"]])
+            s["output_vs_exact"] = timing.ratio_spread(
+                [w["output_tok_s"] for run in played[row] for w in run["waves"]],
+                [w["output_tok_s"] for run in played["exact"] for w in run["waves"]])
             s["ttft_vs_exact"] = timing.ratio_spread(
                 [q["ttft_s"] for run in played[row] for q in run["questions"]],
                 [q["ttft_s"] for run in played["exact"] for q in run["questions"]])
@@ -314,12 +334,18 @@ def markdown(res: dict) -> str:
                 f"{_fmt(r.get('bytes_vs_exact'), '.3f')} | {_fmt(r.get('eq2_share'), '.3f')} | "
                 f"{_fmt(r.get('probe_kept_share'), '.3f')} |")
     elif w == "speed":
-        lines += ["| row | history | TTFT s | decode tok/s | TTFT vs exact | decode vs exact "
-                  "| kept k/T |", "|---|---|---|---|---|---|---|"]
+        c = res["config"]
+        lines += [f"{c.get('conversations', 1)} conversation(s) of >= {c['history_tokens']} "
+                  f"tokens, {c['questions']} waves of one question each "
+                  f"({c.get('decode_tokens', 64)} tokens), side by side.", "",
+                  "| row | at once | TTFT s | decode tok/s | output tok/s | TTFT vs exact | "
+                  "decode vs exact | output vs exact | kept k/T |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for row, r in s.items():
-            lines.append(f"| {row} | {r['history_tokens']} | {_fmt(r['ttft_s'])} | "
-                         f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('ttft_vs_exact'))} | "
-                         f"{_fmt(r.get('decode_vs_exact'))} | {_fmt(r['kept_share'], '.3f')} |")
+            lines.append(f"| {row} | {r.get('decoding_at_once', 1)} | {_fmt(r['ttft_s'])} | "
+                         f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('output_tok_s'))} | "
+                         f"{_fmt(r.get('ttft_vs_exact'))} | {_fmt(r.get('decode_vs_exact'))} | "
+                         f"{_fmt(r.get('output_vs_exact'))} | {_fmt(r['kept_share'], '.3f')} |")
     else:
         lines += ["| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
                   "|---|---|---|---|---|"]
@@ -340,7 +366,9 @@ def main(argv: list[str] | None = None) -> None:
                     "round = round-topk; default per workload)")
     ap.add_argument("--watershed", type=int, default=0, metavar="L_W",
                     help="L_w (default: the model's calibrated profile)")
-    ap.add_argument("--conversations", type=int, default=None, metavar="N")
+    ap.add_argument("--conversations", type=int, default=None, metavar="N",
+                    help="capacity: chats played (default 8); speed: conversations whose "
+                    "questions are asked at once (default 1); recall: chats (default 18)")
     ap.add_argument("--budget-conversations", type=float, default=5.0, metavar="C",
                     help="capacity: the device KV budget, in conversations (default 5)")
     ap.add_argument("--rounds-per-conversation", type=int, default=20, metavar="R")
@@ -416,21 +444,29 @@ def main(argv: list[str] | None = None) -> None:
         history = 1500 if q else args.history
         per_round = sum(args.round_tokens) / 2 + 24
         rounds = max(4, math.ceil(history / per_round))
-        conv = conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed)
+        n = args.conversations or 1
+        convs = [conversation(tok, rounds, tuple(args.round_tokens), seed=args.seed + c)
+                 for c in range(n)]
         nq = 2 if q else args.questions
         rng = random.Random(args.seed)
-        # one question per round drawn (a new prompt each: its TTFT is a new question's),
-        # the first one the untimed warm-up
-        asked = [conv.facts[i] for i in rng.sample(range(rounds), min(nq + 1, rounds))]
-        warmup, *questions = [
-            [*conv.messages[:-1], {"role": "user", "content":
-                                   f"What is the {fact.key}? Answer with the number."}]
-            for fact in asked]
+
+        def ask_about(conv, i):
+            return [*conv.messages[:-1], {"role": "user", "content":
+                    f"What is the {conv.facts[i].key}? Answer with the number."}]
+
+        # per conversation, one question per round drawn (a new prompt each: its TTFT is a
+        # new question's), the first one the untimed warm-up; wave j asks every
+        # conversation's question j at once
+        asked = [[ask_about(c, i) for i in rng.sample(range(rounds), min(nq + 1, rounds))]
+                 for c in convs]
+        warmups = [a[0] for a in asked]
+        waves = [list(w) for w in zip(*(a[1:] for a in asked))]
         tokens = 32 if q else args.decode_tokens
-        cfg.update(history_rounds=rounds, questions=len(questions), decode_tokens=tokens,
-                   history_tokens=n_tokens(tok, conv.messages))
-        budget = int(cfg["history_tokens"] * 1.5) + 2048
-        total = args.rounds * len(rows) * (rounds + len(questions))
+        cfg.update(history_rounds=rounds, questions=len(waves), conversations=n,
+                   decode_tokens=tokens,
+                   history_tokens=min(n_tokens(tok, c.messages) for c in convs))
+        budget = int(1.5 * sum(n_tokens(tok, c.messages) for c in convs)) + 2048
+        total = args.rounds * len(rows) * n * (rounds + len(waves))
     else:
         n = args.conversations or (3 if q else 18)
         rr = (20, 24) if q else (20, 40)
@@ -463,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
                 server.launch()
             for server in servers.values():
                 server.start()
-            return play_speed(servers, conv, warmup, questions, tokens, bar)
+            return play_speed(servers, convs, warmups, waves, tokens, bar)
 
     if args.workload == "speed":  # all rows' servers up at once, each question side by side
         starts = [side_by_side(i) for i in range(args.rounds)]
