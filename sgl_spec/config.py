@@ -193,6 +193,12 @@ FLAGS: tuple[Flag, ...] = (
          "profile's host tier balances (a pyramid, most at the first layer) unstored, and "
          "its restore recomputes them while the rest is loaded. Empty: every row is "
          "stored and loaded (share 0, what this CPU's calibration chooses)."),
+    Flag("--spec-krul-restore", "krul", "restore", "choice",
+         "Krul: how a restore's recompute (--spec-krul-profile) meets the load of the "
+         "stored rows. 'pipelined': it runs while sglang's loader copies them (a worker "
+         "thread on CPU; the compute stream beside the loader's on GPU), as the share's "
+         "cost model assumes; 'serial': to completion first (what the overlap is "
+         "measured against).", ("pipelined", "serial")),
     Flag("--spec-rounds", "rounds", "enable", "bool",
          "Round Attention on a layer-tiered KV pool (CPU): layers from the model's "
          "watershed L_w up keep only a working set on the device (the system prompt's "
@@ -385,11 +391,13 @@ class KrulConfig:
     strategy: str = "conversation"
     stats_path: str = ""
     profile_path: str = ""
+    restore: str = "pipelined"
 
     def __post_init__(self):
         _check("krul", self)
         for flag, value in (("stats", self.stats_path), ("profile", self.profile_path),
-                            ("strategy", self.strategy != "conversation")):
+                            ("strategy", self.strategy != "conversation"),
+                            ("restore", self.restore != "pipelined")):
             if value and not self.enable:
                 raise ValueError(f"--spec-krul-{flag} is read only with --spec-krul; valid: "
                                  "drop it, or add --spec-krul")

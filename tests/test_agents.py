@@ -88,7 +88,8 @@ def test_agent_end_to_end_through_the_cli(spec_server):
     out = subprocess.run(
         [sys.executable, "-m", "sgl_spec.agents.research_assistant",
          "--port", str(spec_server.port), "--sub-questions", "2", "--max-doc-chars", "2400",
-         "--answer-tokens", "24", "--report-tokens", "32", "--follow-up-tokens", "24",
+         "--plan-tokens", "40", "--answer-tokens", "16", "--report-tokens", "24",
+         "--follow-up-tokens", "16",
          "--follow-up", "Which function removes common leading whitespace?", "--json"],
         capture_output=True, text=True, timeout=1200, env=dict(os.environ),
     )

@@ -209,6 +209,12 @@ def test_demoted_conversation_is_stored_in_k8v4_and_restored(model_path, krul_fi
     stage = restore_clock.delta(after["restore"], totals["restore"])
     assert stage["loads"] == 1 and stage["refused"] == 0, stage
     assert stage["tokens"] >= host and stage["admit_seconds"] > 0, stage
+    # pipelined (the default): the recompute ran on a worker beside the in-line copy, and
+    # the clock has both parts (what ran at once depends on the 2 cores' load: >= 0)
+    assert after["restore_pipeline"] == "pipelined"
+    assert stage["recompute_seconds"] > 0 and stage["load_seconds"] > 0, stage
+    assert 0 <= stage["overlap_seconds"] <= min(stage["recompute_seconds"],
+                                                stage["load_seconds"]) + 1e-6, stage
     assert ids.matches(again_ids), (ids, again_ids)
     # the same figures beside sglang's metrics
     metrics = requests.get(f"{server.url}/metrics", timeout=60).text

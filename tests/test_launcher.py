@@ -220,6 +220,14 @@ def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
         KrulConfig(enable=True, codec="fp4")
     with pytest.raises(ValueError, match="read only with --spec-krul"):
         KrulConfig(stats_path="x.json")
+    assert cfg.krul.restore == "pipelined"  # a restore's recompute runs beside its load
+    assert split_argv(["--spec-krul", "--spec-krul-restore", "serial"])[0].krul.restore \
+        == "serial"
+    with pytest.raises(ValueError, match="--spec-krul-restore 'overlap' is invalid; valid "
+                                         "values: pipelined, serial"):
+        KrulConfig(enable=True, restore="overlap")
+    with pytest.raises(ValueError, match="--spec-krul-restore is read only with --spec-krul"):
+        KrulConfig(restore="serial")
     assert cfg.krul.strategy == "conversation"          # Algorithm 1 on its own attention
     cfg_m, _ = split_argv(["--spec-krul", "--spec-krul-strategy", "model"])
     assert cfg_m.krul.strategy == "model"
@@ -408,6 +416,10 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
     if given_.get("--spec-krul-strategy", "conversation") != "conversation" and \
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err
+        return
+    if given_.get("--spec-krul-restore", "pipelined") != "pipelined" and \
+            not given_.get("--spec-krul"):
+        assert got == 2 and "--spec-krul-restore is read only with --spec-krul" in err
         return
     rounds = given_.get("--spec-rounds", False)
     round_defaults = spec_config.RoundConfig()

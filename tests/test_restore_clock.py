@@ -30,3 +30,14 @@ def test_clock_counts_admitted_refused_and_failed_loads_and_their_time():
 def test_delta_is_none_without_a_hierarchical_cache():
     assert delta(None, RestoreClock().totals()) is None
     assert delta(RestoreClock().totals(), None) is None
+
+
+def test_a_pipelined_restore_counts_the_time_its_two_parts_ran_at_once():
+    clock = RestoreClock()
+    clock.pipeline(0.4, 0.5, 0.6)   # pre-pass 0.4 s and copy 0.5 s within 0.6 s
+    clock.pipeline(0.2, 0.1, 0.35)  # slower than serial (other work between): no overlap
+    clock.pipeline(0.3, 0.2, None)  # serial: nothing ran at once
+    t = clock.totals()
+    assert t["recompute_seconds"] == pytest.approx(0.9)
+    assert t["load_seconds"] == pytest.approx(0.8)
+    assert t["overlap_seconds"] == pytest.approx(0.3)

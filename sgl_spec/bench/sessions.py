@@ -17,9 +17,13 @@ only the cache differs:
 * ``krul``: ``--spec-krul`` (compressed host rows, k8v4) in the same host byte budget;
 * ``krul+file``: the same with the ``file`` backend (compressed pages);
 * ``krul-int8``: ``--spec-krul-codec int8``, for the accuracy the 4-bit values cost;
-* ``krul-recompute``: ``krul`` with ``--spec-krul-profile`` (``--krul-profile FILE``): each
-  host copy leaves the profile's share unstored and a restore recomputes it (not in the
-  default rows: this CPU's own calibration chooses share 0).
+* ``krul-recompute``: ``krul`` with ``--spec-krul-profile`` (``--krul-profile FILE``, or
+  ``--krul-share F``: a profile that makes the share F): each host copy leaves the
+  profile's share unstored and a restore recomputes it while the rest is loaded (not in
+  the default rows: this CPU's own calibration chooses share 0);
+* ``krul-recompute-serial``: the same, ``--spec-krul-restore serial`` (the recompute runs
+  to completion before the load): ``krul-recompute`` is paired with it where both are
+  played, so the pair's restore-stage ratio is the pipeline's against T_C + T_L.
 
 Every row replays the same prompts: the history's assistant turns are the gold answers,
 so TTFTs compare like with like. Per follow-up: TTFT, where its history came from (device,
@@ -62,12 +66,13 @@ from sgl_spec.bench.server import SPEC, ServerProcess
 from sgl_spec.tiers import restore_clock
 
 MAX_NEW_TOKENS = 16
+PARTS = ("recompute_seconds", "load_seconds", "overlap_seconds")  # restore_clock's
 OPENING = "Here is the output of the document tool. Read it; I will ask about it."
 HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
            "--hicache-mem-layout", "layer_first"]
 ROWS = ("reference", "recompute", "hicache", "hicache+file", "krul", "krul+file", "krul-int8",
-        "hicache-tagged", "krul-recompute")
-DEFAULT_ROWS = ROWS[:-2]
+        "hicache-tagged", "krul-recompute", "krul-recompute-serial")
+DEFAULT_ROWS = ROWS[:-3]
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class Answer:
     # HiCache
     restore_s: float | None = None
     restore_tokens: int | None = None
+    # of it, a Krul restore's recompute (T_C), in-line copy (T_L) and the two at once
+    restore_parts: dict | None = None
 
 
 def _plant_at(prose: str, sentences: list[str]) -> str:
@@ -220,10 +227,12 @@ def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
              "hicache-tagged": hicache + ["--spec-tree-core", "tagged"],
              "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
              "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"],
-             "krul-recompute": hicache + KRUL + ["--spec-krul-profile", profile or ""]}
-    if row == "krul-recompute" and not profile:
-        raise ValueError("row krul-recompute needs a restore profile: --krul-profile FILE "
-                         "(python -m sgl_spec.calibrate restore writes one)")
+             "krul-recompute": hicache + KRUL + ["--spec-krul-profile", profile or ""],
+             "krul-recompute-serial": hicache + KRUL + ["--spec-krul-profile", profile or "",
+                                                        "--spec-krul-restore", "serial"]}
+    if row.startswith("krul-recompute") and not profile:
+        raise ValueError(f"row {row} needs a restore profile: --krul-profile FILE "
+                         "(python -m sgl_spec.calibrate restore writes one) or --krul-share")
     base = ["--model-path", model, "--enable-cache-report", "--sleep-on-idle",
             "--spec-mode", "exact"]
     if row == "reference":
@@ -271,7 +280,8 @@ def play_row(row: str, model: str, tok, sess: list[Session], order, args, log_di
                                       int(meta.get("prompt_tokens", 0)), ttft,
                                       int(meta.get("cached_tokens", 0)), _source(meta, history),
                                       text, exact_match(text, fact.value),
-                                      stage and stage["seconds"], stage and stage["tokens"]))
+                                      stage and stage["seconds"], stage and stage["tokens"],
+                                      stage and {k: stage.get(k) for k in PARTS}))
                 bar.set_description(f"{row}: {s.name} visit {visit} {answers[-1].source} "
                                     f"ttft {ttft:.2f}s")
                 bar.update()
@@ -326,9 +336,42 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
     return out
 
 
+def forced_profile(model: str, share: float, path: str) -> str:
+    """A restore profile (the format ``calibrate restore`` writes) for ``model`` whose host
+    tier makes the recompute share ``share``: a token-layer's recompute costs 1 us, and a
+    row's load what makes the balance fall there (bisected). Written to ``path``."""
+    from sgl_spec.krul.restore_cost import host_share
+
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    layers = c["num_hidden_layers"]
+    shape = {"num_layers": layers, "kv_heads": c.get("num_key_value_heads",
+                                                     c["num_attention_heads"]),
+             "head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]}
+    prof = {"format": 1, "model": os.path.basename(model), "hardware": "made up",
+            "device": "cpu", "dtype": "float32", "tokens": 4096, "codec": "k8v4",
+            "shape": shape, "repeats": 1, "recompute_s": 1e-6,
+            "tiers": {"host": {"load_s": 1e-6}}}
+    lo, hi = 1e-9, 1e-3  # a row's load: the share grows with it
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        prof["tiers"]["host"]["load_s"] = mid
+        lo, hi = (mid, hi) if host_share(prof, layers) < share else (lo, mid)
+    prof["tiers"]["host"]["load_s"] = hi
+    got = host_share(prof, layers)
+    if abs(got - share) > 1 / 64:
+        raise ValueError(f"no host load cost makes the share {share} (closest {got:.3f})")
+    with open(path, "w") as f:
+        json.dump(prof, f, indent=1)
+    return path
+
+
 def counterpart(row: str, played=()) -> str:
-    """The HiCache row a Krul row is paired with: the same tiers, a full copy; on the
-    same (tagged) tree core where ``hicache-tagged`` was played."""
+    """The row a Krul row is paired with: ``krul-recompute`` with its serial form where
+    that was played; else the HiCache row of the same tiers, a full copy, on the same
+    (tagged) tree core where ``hicache-tagged`` was played."""
+    if row == "krul-recompute" and "krul-recompute-serial" in played:
+        return "krul-recompute-serial"
     if row.endswith("+file"):
         return "hicache+file"
     return "hicache-tagged" if "hicache-tagged" in played else "hicache"
@@ -340,6 +383,7 @@ def paired(played: dict, row: str, other: str, source: str = "host") -> dict:
     pair, the ratio of TTFTs and of the server's restore stages (the one part in which a
     Krul follow-up and a HiCache one differ); their spreads, and the stage's medians."""
     ttft, stage, mine, theirs = [], [], [], []
+    parts: dict[str, list[float]] = {}
     for a_round, b_round in zip(played[row], played[other]):
         b_by = {(b["session"], b["visit"]): b for b in b_round["answers"]}
         for a in a_round["answers"]:
@@ -351,9 +395,12 @@ def paired(played: dict, row: str, other: str, source: str = "host") -> dict:
                 stage.append(a["restore_s"] / b["restore_s"])
                 mine.append(a["restore_s"])
                 theirs.append(b["restore_s"])
+                for k, x in (a.get("restore_parts") or {}).items():
+                    parts.setdefault(k, []).append(x)
     sp = timing.spread
     return {"source": source, "pairs": len(ttft), "ttft_ratio": sp(ttft),
-            "stage_ratio": sp(stage), "stage_s": sp(mine), "other_stage_s": sp(theirs)}
+            "stage_ratio": sp(stage), "stage_s": sp(mine), "other_stage_s": sp(theirs),
+            "parts_s": {k: sp(v) for k, v in parts.items()}}
 
 
 def markdown(res: dict) -> str:
@@ -398,6 +445,13 @@ def markdown(res: dict) -> str:
         spread.append(f"- {name} against {other}, the same follow-up and round, both from "
                       f"the {p['source']} tier ({p['pairs']} pairs), min / median / max: TTFT "
                       f"{render.spread_cell(p['ttft_ratio'])}x{stage}")
+        ps = p.get("parts_s") or {}
+        if ps.get("recompute_seconds") and ps["recompute_seconds"][1]:
+            spread.append(f"  - {name}'s restore stage, medians: recompute (T_C) "
+                          + ", ".join(f"{label} {render.num(ps[k][1], 1e3, 1)} ms" for label, k
+                                      in (("T_C", "recompute_seconds"),
+                                          ("copy T_L", "load_seconds"),
+                                          ("ran at once", "overlap_seconds")) if ps.get(k)))
     for name in res["rows"]:
         k = s[name].get("krul_recompute")
         if k and k["recomputed_restores"]:
@@ -426,7 +480,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"{', '.join(DEFAULT_ROWS)}; also: krul-recompute); without reference, "
                     "no greedy agreement is reported")
     ap.add_argument("--krul-profile", metavar="FILE", default=None,
-                    help="the krul-recompute row's --spec-krul-profile")
+                    help="the krul-recompute rows' --spec-krul-profile")
+    ap.add_argument("--krul-share", type=float, default=None, metavar="F",
+                    help="instead of --krul-profile: a made-up profile whose host tier "
+                    "makes the recompute share F (0 < F <= 1) for this model")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--server-flags", default="", metavar="'FLAGS'",
                     help="sglang/sgl_spec flags appended to every row's, one string (e.g. "
@@ -441,16 +498,24 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("conversations", "doc_tokens", "rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if "krul-recompute" in args.rows:
+    model = cli.model_path(ap, args.model_path, tokens=args.doc_tokens + 256)
+    if args.krul_share is not None:
+        if args.krul_profile:
+            ap.error("--krul-share and --krul-profile: give one")
+        if not 0 < args.krul_share <= 1:
+            ap.error("--krul-share must be in (0, 1]")
+        os.makedirs(args.out, exist_ok=True)
+        args.krul_profile = forced_profile(model, args.krul_share,
+                                           os.path.join(args.out, "restore-profile.json"))
+    if any(r.startswith("krul-recompute") for r in args.rows):
         from sgl_spec.krul.restore_cost import read_profile
 
         if not args.krul_profile:
-            ap.error("row krul-recompute needs --krul-profile FILE")
+            ap.error("the krul-recompute rows need --krul-profile FILE or --krul-share F")
         try:
             read_profile(args.krul_profile)
         except (OSError, ValueError) as exc:
             ap.error(f"--krul-profile: {exc}")
-    model = cli.model_path(ap, args.model_path, tokens=args.doc_tokens + 256)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)

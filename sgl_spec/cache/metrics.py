@@ -67,7 +67,9 @@ class CacheMetrics:
             documentation="HiCache's host-tier restore stage (stock's copy or Krul's "
             "rows), running totals: load-backs admitted and refused, tokens, and seconds "
             "in load_back (admit) and in the scheduler's part of the copy (transfer; on "
-            "a CPU pool the copy itself). Absent without --enable-hierarchical-cache.",
+            "a CPU pool the copy itself); with a Krul restore profile, its pre-pass, the "
+            "copy and the seconds they ran at once (recompute_seconds, load_seconds, "
+            "overlap_seconds). Absent without --enable-hierarchical-cache.",
             labelnames=("figure",),
             multiprocess_mode="mostrecent",
         )

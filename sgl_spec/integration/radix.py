@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -149,12 +150,27 @@ class SpecRadixCache(UnifiedRadixCache):
     def ready_to_load_host_cache(self) -> int:
         cc = self.cache_controller
         if cc is None or not cc.load_queue:
-            return super().ready_to_load_host_cache()
+            out = super().ready_to_load_host_cache()
+            self._join_restores(0.0)
+            return out
         tokens = sum(len(op.device_indices) for op in cc.load_queue)
         with self.restore_clock.transferring(tokens):
-            return super().ready_to_load_host_cache()
+            t0 = time.perf_counter()
+            out = super().ready_to_load_host_cache()
+            self._join_restores(time.perf_counter() - t0)
+            return out
+
+    def _join_restores(self, load_s: float) -> None:
+        """Krul: wait for the restore pre-passes issued by this batch's load-backs, which
+        ran while the load (``load_s``) did, before the batch reads their rows."""
+        krul = getattr(self, "krul", None)  # the turn-tagged core's
+        if krul is not None:
+            own, wall = krul.recompute.join()
+            self.restore_clock.pipeline(own, load_s, wall)
 
     def reset(self):
+        if getattr(self, "krul", None) is not None:
+            self.krul.recompute.join()  # no pre-pass writes into a pool being emptied
         super().reset()
         if getattr(self, "_slots", None) is not None:
             self._slots.reset()
@@ -351,8 +367,8 @@ class TaggedRadixCache(SpecRadixCache):
             return False
         if not super()._load_back(node_id, mem_quota, req):
             return False
-        if restore is not None:
-            self.krul.recompute.run(restore, self.tree_core.root_node)
+        if restore is not None:  # joined in ready_to_load_host_cache, after the load
+            self.krul.recompute.start(restore, self.tree_core.root_node)
         return True
 
     def evict_host(self, num_tokens: int, component_type=ComponentType.FULL) -> int:

@@ -10,7 +10,13 @@ Two parts, both in the scheduler thread:
 * ``transfer``: ``start_loading``, the host-to-device copy of every layer. On a CPU
   pool sglang runs it in line, so this is the copy itself (stock: a gather; Krul: the
   one-pass decode into the pool). On a GPU it only submits the copy to the loader
-  stream; sglang's ``load_back_duration`` histogram times the copy there.
+  stream; sglang's ``load_back_duration`` histogram times the copy there. With a Krul
+  restore pre-pass pipelined, also the wait for the pre-pass after the copy.
+
+Of these, a Krul restore's two parts and the time they ran at once: ``recompute_seconds``
+(the pre-pass, T_C), ``load_seconds`` (the in-line copy, T_L) and ``overlap_seconds``
+(T_C + T_L minus the time from the first pre-pass's start to the last one's end: 0 when
+serial). A restore stage costs about ``seconds`` = T_C + T_L - overlap.
 
 ``GET /sgl_spec/cache`` serves the running totals (``restore``); a client takes the
 difference around one request to get that request's restore stage.
@@ -22,7 +28,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-FIGURES = ("loads", "refused", "tokens", "admit_seconds", "transfer_seconds")
+FIGURES = ("loads", "refused", "tokens", "admit_seconds", "transfer_seconds",
+           "recompute_seconds", "load_seconds", "overlap_seconds")
 
 
 @dataclass
@@ -33,6 +40,9 @@ class RestoreClock:
     tokens: int = 0              # tokens whose transfer was started
     admit_seconds: float = 0.0
     transfer_seconds: float = 0.0
+    recompute_seconds: float = 0.0  # Krul's restore pre-passes (T_C)
+    load_seconds: float = 0.0       # the in-line copies (T_L)
+    overlap_seconds: float = 0.0    # of T_C + T_L, the time both ran at once
 
     @contextmanager
     def admitting(self):
@@ -56,6 +66,15 @@ class RestoreClock:
         finally:
             self.transfer_seconds += time.perf_counter() - t0
             self.tokens += tokens
+
+    def pipeline(self, recompute_s: float, load_s: float, wall_s: float | None) -> None:
+        """One batch's restore parts: the pre-passes' own seconds, the copy's, and the
+        seconds from the first pre-pass's start to the last one's end (None: none was
+        pipelined)."""
+        self.recompute_seconds += recompute_s
+        self.load_seconds += load_s
+        if wall_s is not None:
+            self.overlap_seconds += max(0.0, recompute_s + load_s - wall_s)
 
     def totals(self) -> dict:
         out = asdict(self)

@@ -6,11 +6,15 @@ layer 0), and HiCache's load-back brings back the rest. The tree still reports t
 path host-resident, so sglang's ``load_back`` allocates device slots for every token and
 queues the load; ``TaggedRadixCache.load_back`` then calls ``recompute``, which fills
 the unstored rows by running the model's own layers on those tokens
-(``sgl_spec.krul.prepass``) before the load runs. The pre-pass needs only the
-device-resident prefix and what it computes itself, so it is issued at once: on a GPU its
-kernels run on the compute stream while HiCache's loader copies the stored rows on its
-own stream (the paper's overlap; unverified, no GPU run yet); on a CPU the two run one
-after the other, and the calibration there chooses share 0.
+(``sgl_spec.krul.prepass``). The pre-pass needs only the device-resident prefix and what
+it computes itself, so it overlaps the load (``--spec-krul-restore pipelined``, the
+default): ``start`` issues it and returns; sglang's loader then copies the stored rows
+(on a CPU in line, in the scheduler thread, while the pre-pass runs on a worker thread;
+on a GPU on the loader's stream, while the pre-pass's kernels run on the compute stream:
+unverified, no GPU run yet); ``join``, called once the load ran and before the batch that
+reads those rows, waits for it. ``serial`` runs the pre-pass to completion first (what
+the overlap is measured against: the restore clock's ``recompute_seconds``,
+``load_seconds`` and ``overlap_seconds``).
 
 The model runner comes from the cache's links to the attention path
 (``radix.CoreLinks.runner``: sgl_spec's backend's runner); without one, or for a model that
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -140,16 +145,60 @@ def plan(node, root, arena, num_layers: int) -> RestorePlan | None:
 
 
 class Recompute:
-    """Runs restore plans after sglang's load-back allocated their device slots; counts
-    them (``GET /sgl_spec/cache``)."""
+    """Runs restore plans after sglang's load-back allocated their device slots, pipelined
+    with the load (``start`` ... ``join``) or not; counts them (``GET /sgl_spec/cache``)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, pipelined: bool = True):
         self.runner = runner  # the model runner whose layers run (unsupported: None)
+        self.pipelined = pipelined
         self.restores = 0
         self.token_layers = 0
         self.seconds = 0.0
+        self._pending: list[Future] = []
+        self._cuda_pending = False
+        self._started: float | None = None  # when the first unjoined pre-pass was issued
+        self._batch_seconds = 0.0  # the unjoined pre-passes' own time
+        self._worker: ThreadPoolExecutor | None = None
 
-    def run(self, p: RestorePlan, root) -> None:
+    def start(self, p: RestorePlan, root) -> None:
+        """Issue ``p``'s pre-pass: pipelined, it runs while sglang's loader copies the
+        stored rows, and ``join`` waits for it; serial, it runs to completion now."""
+        if not self.pipelined:
+            self._batch_seconds += self.run(p, root)
+            return
+        if self._started is None:
+            self._started = time.perf_counter()
+        if self._device().type == "cuda":
+            self._batch_seconds += self.run(p, root, sync=False)
+            self._cuda_pending = True
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="sgl_spec-krul-restore")
+        self._pending.append(self._worker.submit(self.run, p, root))
+
+    def join(self) -> tuple[float, float | None]:
+        """Wait for the issued pre-passes (before any batch reads their rows); returns
+        their own seconds and the seconds since the first was issued (None: serial, or
+        none pending), and resets. A pre-pass's exception is raised here."""
+        started, self._started = self._started, None
+        pending, self._pending = self._pending, []
+        try:
+            for f in pending:
+                self._batch_seconds += f.result()
+            if self._cuda_pending:
+                self._cuda_pending = False
+                # The extend that follows may run on sglang's forward stream (overlap
+                # scheduling): it must see these rows. Unverified on a GPU.
+                torch.cuda.current_stream(self._device()).synchronize()
+        finally:
+            own, self._batch_seconds = self._batch_seconds, 0.0
+        return own, None if started is None else time.perf_counter() - started
+
+    def _device(self) -> torch.device:
+        return self.runner.token_to_kv_pool.get_key_buffer(0).device
+
+    def run(self, p: RestorePlan, root, sync: bool = True) -> float:
+        """``p``'s pre-pass, to completion (``sync``: also on a GPU); its seconds."""
         nodes = path(p.node, root)
         slots = torch.cat([nd.component_data[BASE_COMPONENT_TYPE].value for nd in nodes])
         D, R = p.device_prefix, p.lengths
@@ -182,17 +231,18 @@ class Recompute:
         with torch.inference_mode():
             done = prepass.run(ops, torch.tensor(ids, dtype=torch.int64, device=dev), D, R,
                                write, attend)
-        if dev.type == "cuda":
-            # The extend that follows may run on sglang's forward stream (overlap
-            # scheduling): it must see these rows. Unverified on a GPU.
+        if dev.type == "cuda" and sync:
             torch.cuda.current_stream(dev).synchronize()
-        self.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.seconds += took
         self.restores += 1
         self.token_layers += done
         logger.debug("sgl_spec krul: recomputed %d token-layers of a restore (prefix %d, "
                      "R_0 %d)", done, D, R[0])
+        return took
 
     def totals(self) -> dict:
         return {"recomputed_restores": self.restores,
                 "recomputed_token_layers": self.token_layers,
-                "recompute_seconds": round(self.seconds, 4)}
+                "recompute_seconds": round(self.seconds, 4),
+                "restore_pipeline": "pipelined" if self.pipelined else "serial"}
