@@ -197,8 +197,10 @@ FLAGS: tuple[Flag, ...] = (
          "Krul: how a restore's recompute (--spec-krul-profile) meets the load of the "
          "stored rows. 'pipelined': it runs while sglang's loader copies them (a worker "
          "thread on CPU; the compute stream beside the loader's on GPU), as the share's "
-         "cost model assumes; 'serial': to completion first (what the overlap is "
-         "measured against).", ("pipelined", "serial")),
+         "cost model assumes; 'serial': to completion first; 'auto': pipelined on GPU, "
+         "serial on CPU (there a host copy is a small part of a restore, and the "
+         "recompute runs slower on a worker thread than in the scheduler's).",
+         ("auto", "pipelined", "serial")),
     Flag("--spec-rounds", "rounds", "enable", "bool",
          "Round Attention on a layer-tiered KV pool (CPU): layers from the model's "
          "watershed L_w up keep only a working set on the device (the system prompt's "
@@ -391,13 +393,13 @@ class KrulConfig:
     strategy: str = "conversation"
     stats_path: str = ""
     profile_path: str = ""
-    restore: str = "pipelined"
+    restore: str = "auto"
 
     def __post_init__(self):
         _check("krul", self)
         for flag, value in (("stats", self.stats_path), ("profile", self.profile_path),
                             ("strategy", self.strategy != "conversation"),
-                            ("restore", self.restore != "pipelined")):
+                            ("restore", self.restore != "auto")):
             if value and not self.enable:
                 raise ValueError(f"--spec-krul-{flag} is read only with --spec-krul; valid: "
                                  "drop it, or add --spec-krul")

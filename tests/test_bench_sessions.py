@@ -94,7 +94,14 @@ def test_rows_differ_only_in_their_cache_flags():
     assert "--spec-krul" in flags["krul"] and "file" in flags["krul+file"]
     assert flags["krul-int8"][-2:] == ["--spec-krul-codec", "int8"]
     assert flags["krul-recompute"][-3:] == ["--spec-krul", "--spec-krul-profile", "p.json"]
+    for how in ("pipelined", "serial"):  # the same profile; only the restore's order differs
+        assert flags[f"krul-recompute-{how}"] == [*flags["krul-recompute"],
+                                                  "--spec-krul-restore", how]
+        assert f"krul-recompute-{how}" not in sessions.DEFAULT_ROWS
     assert "krul-recompute" not in sessions.DEFAULT_ROWS
+    assert sessions.counterpart("krul-recompute-pipelined", ["krul-recompute-serial"]) \
+        == "krul-recompute-serial"
+    assert sessions.counterpart("krul-recompute", ["hicache"]) == "hicache"
     with pytest.raises(ValueError, match="needs a restore profile"):
         sessions.row_args("krul-recompute", "M", 1000, 2.0, 9000)
     with pytest.raises(ValueError, match="valid: reference"):
@@ -144,3 +151,18 @@ def test_server_flags_are_appended_to_every_row_and_may_not_set_the_rows_own():
             sessions.server_flags(bad)
     with pytest.raises(SystemExit):
         sessions.main(["--out", "/tmp/x", "--server-flags", "--spec-mode loopserve"])
+
+
+def test_a_forced_share_profile_makes_that_share(tmp_path):
+    import json
+
+    from sgl_spec.krul.restore_cost import host_share, read_profile
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576}))
+    for share in (0.25, 0.5):
+        path = sessions.forced_profile(str(model), share, str(tmp_path / f"{share}.json"))
+        assert host_share(read_profile(path), 30) == pytest.approx(share, abs=1 / 64)

@@ -20,7 +20,8 @@ PREPASS_S = 0.3
 
 def _recompute(pipelined: bool) -> tuple[Recompute, list[str]]:
     pool = SimpleNamespace(get_key_buffer=lambda i: torch.zeros(1))
-    r = Recompute(SimpleNamespace(token_to_kv_pool=pool), pipelined=pipelined)
+    r = Recompute(SimpleNamespace(token_to_kv_pool=pool),
+                  "pipelined" if pipelined else "serial")
     ran_on: list[str] = []
 
     def run(p, root, sync=True):
@@ -74,3 +75,14 @@ def test_a_failed_pre_pass_raises_at_join_and_leaves_nothing_pending():
     with pytest.raises(RuntimeError, match="pre-pass failed"):
         r.join()
     assert r.join() == (0.0, None)
+
+
+def test_auto_pipelines_on_a_gpu_only():
+    pool = SimpleNamespace(get_key_buffer=lambda i: torch.zeros(1))  # a CPU pool
+    assert not Recompute(SimpleNamespace(token_to_kv_pool=pool), "auto").pipelined
+    assert Recompute(SimpleNamespace(token_to_kv_pool=pool), "pipelined").pipelined
+    assert not Recompute(None, "auto").pipelined  # no runner: no pre-pass at all
+    cuda = SimpleNamespace(get_key_buffer=lambda i: SimpleNamespace(device=torch.device("cuda")))
+    assert Recompute(SimpleNamespace(token_to_kv_pool=cuda), "auto").pipelined
+    assert Recompute(SimpleNamespace(token_to_kv_pool=cuda), "auto").totals()[
+        "restore_pipeline"] == "pipelined"

@@ -220,11 +220,11 @@ def test_krul_flags_fill_the_config_and_need_hicache(tmp_path):
         KrulConfig(enable=True, codec="fp4")
     with pytest.raises(ValueError, match="read only with --spec-krul"):
         KrulConfig(stats_path="x.json")
-    assert cfg.krul.restore == "pipelined"  # a restore's recompute runs beside its load
+    assert cfg.krul.restore == "auto"  # a restore's recompute beside its load on a GPU
     assert split_argv(["--spec-krul", "--spec-krul-restore", "serial"])[0].krul.restore \
         == "serial"
     with pytest.raises(ValueError, match="--spec-krul-restore 'overlap' is invalid; valid "
-                                         "values: pipelined, serial"):
+                                         "values: auto, pipelined, serial"):
         KrulConfig(enable=True, restore="overlap")
     with pytest.raises(ValueError, match="--spec-krul-restore is read only with --spec-krul"):
         KrulConfig(restore="serial")
@@ -417,7 +417,7 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err
         return
-    if given_.get("--spec-krul-restore", "pipelined") != "pipelined" and \
+    if given_.get("--spec-krul-restore", "auto") != "auto" and \
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-restore is read only with --spec-krul" in err
         return

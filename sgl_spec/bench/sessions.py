@@ -21,9 +21,11 @@ only the cache differs:
   ``--krul-share F``: a profile that makes the share F): each host copy leaves the
   profile's share unstored and a restore recomputes it while the rest is loaded (not in
   the default rows: this CPU's own calibration chooses share 0);
-* ``krul-recompute-serial``: the same, ``--spec-krul-restore serial`` (the recompute runs
-  to completion before the load): ``krul-recompute`` is paired with it where both are
-  played, so the pair's restore-stage ratio is the pipeline's against T_C + T_L.
+* ``krul-recompute-pipelined``, ``krul-recompute-serial``: the same with
+  ``--spec-krul-restore pipelined`` (the recompute runs while the rest is loaded) and
+  ``serial`` (to completion first; ``krul-recompute``, at ``auto``, is that on a CPU); the
+  pipelined row is paired with the serial one where both are played: the pair's
+  restore-stage ratio is the pipeline's against T_C + T_L.
 
 Every row replays the same prompts: the history's assistant turns are the gold answers,
 so TTFTs compare like with like. Per follow-up: TTFT, where its history came from (device,
@@ -71,8 +73,8 @@ OPENING = "Here is the output of the document tool. Read it; I will ask about it
 HICACHE = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
            "--hicache-mem-layout", "layer_first"]
 ROWS = ("reference", "recompute", "hicache", "hicache+file", "krul", "krul+file", "krul-int8",
-        "hicache-tagged", "krul-recompute", "krul-recompute-serial")
-DEFAULT_ROWS = ROWS[:-3]
+        "hicache-tagged", "krul-recompute", "krul-recompute-pipelined", "krul-recompute-serial")
+DEFAULT_ROWS = ROWS[:-4]
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,9 @@ def row_args(row: str, model: str, device_tokens: int, host_ratio: float,
              "krul": hicache + KRUL, "krul+file": hicache + STORAGE + KRUL,
              "krul-int8": hicache + KRUL + ["--spec-krul-codec", "int8"],
              "krul-recompute": hicache + KRUL + ["--spec-krul-profile", profile or ""],
-             "krul-recompute-serial": hicache + KRUL + ["--spec-krul-profile", profile or "",
-                                                        "--spec-krul-restore", "serial"]}
+             **{f"krul-recompute-{how}": hicache + KRUL + [
+                 "--spec-krul-profile", profile or "", "--spec-krul-restore", how]
+                for how in ("pipelined", "serial")}}
     if row.startswith("krul-recompute") and not profile:
         raise ValueError(f"row {row} needs a restore profile: --krul-profile FILE "
                          "(python -m sgl_spec.calibrate restore writes one) or --krul-share")
@@ -367,10 +370,10 @@ def forced_profile(model: str, share: float, path: str) -> str:
 
 
 def counterpart(row: str, played=()) -> str:
-    """The row a Krul row is paired with: ``krul-recompute`` with its serial form where
-    that was played; else the HiCache row of the same tiers, a full copy, on the same
-    (tagged) tree core where ``hicache-tagged`` was played."""
-    if row == "krul-recompute" and "krul-recompute-serial" in played:
+    """The row a Krul row is paired with: ``krul-recompute-pipelined`` with the serial
+    form where that was played; else the HiCache row of the same tiers, a full copy, on
+    the same (tagged) tree core where ``hicache-tagged`` was played."""
+    if row == "krul-recompute-pipelined" and "krul-recompute-serial" in played:
         return "krul-recompute-serial"
     if row.endswith("+file"):
         return "hicache+file"
@@ -477,8 +480,8 @@ def main(argv: list[str] | None = None) -> None:
                     "(default 2); --hicache-ratio follows")
     ap.add_argument("--rows", nargs="+", default=list(DEFAULT_ROWS), choices=ROWS,
                     metavar="ROW", help=f"rows to play, in this order (default: "
-                    f"{', '.join(DEFAULT_ROWS)}; also: krul-recompute); without reference, "
-                    "no greedy agreement is reported")
+                    f"{', '.join(DEFAULT_ROWS)}; also: {', '.join(ROWS[len(DEFAULT_ROWS):])}); "
+                    "without reference, no greedy agreement is reported")
     ap.add_argument("--krul-profile", metavar="FILE", default=None,
                     help="the krul-recompute rows' --spec-krul-profile")
     ap.add_argument("--krul-share", type=float, default=None, metavar="F",

@@ -285,7 +285,7 @@ class Compressor:
         self._share: float | None = None  # of each demoted history left for a recompute
         from .krul_restore import Recompute
 
-        self.recompute = Recompute(runner, pipelined=cfg.restore == "pipelined")
+        self.recompute = Recompute(runner, cfg.restore)
 
     def pool(self) -> KrulHostPool | None:
         ctl = getattr(self.cache, "cache_controller", None)

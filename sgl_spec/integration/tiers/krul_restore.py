@@ -7,8 +7,8 @@ path host-resident, so sglang's ``load_back`` allocates device slots for every t
 queues the load; ``TaggedRadixCache.load_back`` then calls ``recompute``, which fills
 the unstored rows by running the model's own layers on those tokens
 (``sgl_spec.krul.prepass``). The pre-pass needs only the device-resident prefix and what
-it computes itself, so it overlaps the load (``--spec-krul-restore pipelined``, the
-default): ``start`` issues it and returns; sglang's loader then copies the stored rows
+it computes itself, so it can overlap the load (``--spec-krul-restore pipelined``; ``auto``,
+the default, pipelines on a GPU only): ``start`` issues it and returns; sglang's loader then copies the stored rows
 (on a CPU in line, in the scheduler thread, while the pre-pass runs on a worker thread;
 on a GPU on the loader's stream, while the pre-pass's kernels run on the compute stream:
 unverified, no GPU run yet); ``join``, called once the load ran and before the batch that
@@ -148,9 +148,9 @@ class Recompute:
     """Runs restore plans after sglang's load-back allocated their device slots, pipelined
     with the load (``start`` ... ``join``) or not; counts them (``GET /sgl_spec/cache``)."""
 
-    def __init__(self, runner, pipelined: bool = True):
+    def __init__(self, runner, mode: str = "auto"):
         self.runner = runner  # the model runner whose layers run (unsupported: None)
-        self.pipelined = pipelined
+        self.mode = mode  # --spec-krul-restore: auto (pipelined on a GPU), pipelined, serial
         self.restores = 0
         self.token_layers = 0
         self.seconds = 0.0
@@ -196,6 +196,16 @@ class Recompute:
 
     def _device(self) -> torch.device:
         return self.runner.token_to_kv_pool.get_key_buffer(0).device
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether a pre-pass overlaps the load: ``auto`` on a GPU only. On a CPU a host
+        copy is a few percent of a restore that recomputes (122 ms against 2.7 s at share
+        0.5, docs/design/krul.md §18), and the pre-pass runs ~10% slower on a worker
+        thread than in the scheduler's: it would cost more than it hides."""
+        if self.mode == "auto":
+            return self.runner is not None and self._device().type == "cuda"
+        return self.mode == "pipelined"
 
     def run(self, p: RestorePlan, root, sync: bool = True) -> float:
         """``p``'s pre-pass, to completion (``sync``: also on a GPU); its seconds."""
