@@ -450,7 +450,7 @@ def markdown(res: dict) -> str:
                       f"{render.spread_cell(p['ttft_ratio'])}x{stage}")
         ps = p.get("parts_s") or {}
         if ps.get("recompute_seconds") and ps["recompute_seconds"][1]:
-            spread.append(f"  - {name}'s restore stage, medians: recompute (T_C) "
+            spread.append(f"  - {name}'s restore stage, medians: "
                           + ", ".join(f"{label} {render.num(ps[k][1], 1e3, 1)} ms" for label, k
                                       in (("T_C", "recompute_seconds"),
                                           ("copy T_L", "load_seconds"),
