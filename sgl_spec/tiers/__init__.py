@@ -10,5 +10,8 @@ full pool's slots (Round Attention's working sets, SpeContext's offloaded layers
 one copy each;
 ``arena``: Krul's compressed host and file rows (logical slots over shared rows; the
 codecs are ``sgl_spec.krul``'s, the dequant kernels ``sgl_spec.kernels.dequant``);
-``restore_clock``: the host-tier restore stage's clock (admitted, refused, tokens, time).
+``restore_clock``: the host-tier restore stage's clock (admitted, refused, tokens, time;
+a Krul restore's recompute, copy and their overlap);
+``offload``: SpeContext's Algorithms 1-2, the lengths past which layers leave the device
+(arithmetic only so far: docs/design/offload.md).
 """

@@ -1,0 +1,82 @@
+"""SpeContext's adaptive memory management (Sec. 6.2, Algorithms 1-2): which layers' KV a
+generation keeps on the device as it grows.
+
+``thresholds`` is Algorithm 1: the sequence lengths S_0 <= S_1 <= ... <= S_L past which
+one more layer (the last first) must leave the device for R requests' KV to fit in the
+memory left after the weights. ``on_host`` is Algorithm 2's inner loop: the layers on the
+host at length S. Pure arithmetic, in bytes; what moves the KV is the tiered pool's
+(issue 45, docs/design/offload.md).
+
+Equation 7 of the paper, with this project's names: the device holds the weights (x1.3
+for the runtime's activations), the full KV of the ``L - i`` layers still on it plus the
+retrieval head's one layer and ``alpha`` layers of GQA expansion buffer (sgl_spec's
+kernels expand no heads: 0), and ``budget`` selected rows of each of the ``i`` offloaded
+layers, per request::
+
+    M(i, S) = 1.3 * weights + R * row * ((L - i + 1 + alpha) * S + i * budget)
+
+with ``row`` the bytes of one token's K and V at one layer (2 x kv_heads x head_dim x
+element bytes; the paper's "4HD" in fp16). S_i is the largest S with M(i, S) <= memory.
+The paper's Algorithm 1 leaves the element and K/V factor out of the buffer term
+(``i x B x R x H x D``); Equation 7 has it, and so has this.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+RUNTIME_FACTOR = 1.3  # the paper's runtime memory: 30% of the weights
+
+
+class Shape(NamedTuple):
+    """What Algorithm 1 reads from the model and the workload."""
+
+    layers: int          # L: the model's decoder layers
+    kv_heads: int        # H (KV heads)
+    head_dim: int        # D
+    element_bytes: int   # of the KV dtype (2: fp16 / bf16)
+    head_layers: int = 1     # the retrieval head's own KV layer (SpeContext's "+1")
+    alpha: float = 0.0       # GQA expansion buffer, in layers (0: no heads expanded)
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's K and V at one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.element_bytes
+
+
+def thresholds(memory: int, weights: int, requests: int, budget: int,
+               shape: Shape) -> list[int]:
+    """Algorithm 1: ``[S_0, ..., S_L]``, S_i the longest sequence at which ``requests``
+    requests fit with their last ``i`` layers offloaded (``budget`` rows each left on the
+    device). ``memory``: device bytes for weights and KV; ``weights``: the model's and
+    the head's. ValueError where even S_0 is negative (the weights alone do not fit)."""
+    if requests < 1 or budget < 0 or shape.layers < 1:
+        raise ValueError(f"requests >= 1, budget >= 0 and layers >= 1; got {requests}, "
+                         f"{budget}, {shape.layers}")
+    free = memory - RUNTIME_FACTOR * weights
+    if free < 0:
+        raise ValueError(f"the weights ({weights} bytes, x{RUNTIME_FACTOR} with the runtime's) "
+                         f"do not fit in {memory} bytes")
+    per = requests * shape.row_bytes
+    out = []
+    for i in range(shape.layers + 1):
+        resident = shape.layers - i + shape.head_layers + shape.alpha
+        out.append(int((free - i * budget * per) // (resident * per)))
+    return out
+
+
+def on_host(length: int, limits: list[int]) -> int:
+    """Algorithm 2's inner loop: how many layers (the last ones) are on the host at
+    sequence length ``length`` given ``thresholds``' ``limits``: the first i with
+    length < S_i (all L when none)."""
+    n = 0
+    while n < len(limits) - 1 and length >= limits[n]:
+        n += 1
+    return n
+
+
+def host_layers(length: int, limits: list[int]) -> list[int]:
+    """The layer indices on the host at ``length``: the last ``on_host`` ones, the last
+    first (the order Algorithm 2 offloads them)."""
+    L = len(limits) - 1
+    return [L - 1 - j for j in range(on_host(length, limits))]
