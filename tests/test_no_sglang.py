@@ -23,7 +23,7 @@ SGLANG_FREE_TESTS = [
     "tests/test_sparse_prefill.py", "tests/test_sparse_backend.py", "tests/test_launcher.py",
     "tests/test_long_context.py", "tests/test_model_sources.py", "tests/test_krul_select.py",
     "tests/test_krul_merge.py", "tests/test_krul_pyramid.py", "tests/test_tiers_arena.py",
-    "tests/test_krul_quant.py", "tests/test_bench_scaleout.py",
+    "tests/test_krul_quant.py", "tests/test_bench_scaleout.py", "tests/test_offload.py",
 ]
 NEEDS_SGLANG = "batch_view"  # test_sparse_backend: the integration's ForwardBatch view
 
