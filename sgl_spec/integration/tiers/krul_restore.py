@@ -7,14 +7,14 @@ path host-resident, so sglang's ``load_back`` allocates device slots for every t
 queues the load; ``TaggedRadixCache.load_back`` then calls ``recompute``, which fills
 the unstored rows by running the model's own layers on those tokens
 (``sgl_spec.krul.prepass``). The pre-pass needs only the device-resident prefix and what
-it computes itself, so it can overlap the load (``--spec-krul-restore pipelined``; ``auto``,
-the default, pipelines on a GPU only): ``start`` issues it and returns; sglang's loader then copies the stored rows
-(on a CPU in line, in the scheduler thread, while the pre-pass runs on a worker thread;
-on a GPU on the loader's stream, while the pre-pass's kernels run on the compute stream:
-unverified, no GPU run yet); ``join``, called once the load ran and before the batch that
-reads those rows, waits for it. ``serial`` runs the pre-pass to completion first (what
-the overlap is measured against: the restore clock's ``recompute_seconds``,
-``load_seconds`` and ``overlap_seconds``).
+it computes itself, so it can overlap the load (``--spec-krul-restore pipelined``;
+``auto``, the default, pipelines on a GPU only): ``start`` issues it and returns;
+sglang's loader then copies the stored rows (on a CPU in line, in the scheduler thread,
+while the pre-pass runs on a worker thread; on a GPU on the loader's stream, while the
+pre-pass's kernels run on the compute stream: unverified, no GPU run yet); ``join``,
+called once the load ran and before the batch that reads those rows, waits for it.
+``serial`` runs the pre-pass to completion first (what the overlap is measured against:
+the restore clock's ``recompute_seconds``, ``load_seconds`` and ``overlap_seconds``).
 
 The model runner comes from the cache's links to the attention path
 (``radix.CoreLinks.runner``: sgl_spec's backend's runner); without one, or for a model that
