@@ -300,8 +300,10 @@ def _launch_order() -> dict[str, int]:
 def _by_server_boot(items) -> None:
     """Sort in place: unit tests, then server-test modules in the order their shared
     servers boot (a module by the last of them it uses, so it starts once they are all
-    up; modules with servers of their own after those), then ``alone``. A module's
-    tests stay together and in their order."""
+    up; modules with servers of their own after those), then ``alone``, then ``heavy``
+    (the abort storm: beside it, the fallback server's first-start measurement took
+    ~180 s of CPU share; before it, that measurement has the cores). A module's tests
+    stay together and in their order."""
     order = _launch_order()
     rank: dict[str, int] = {}
     for item in items:
@@ -311,6 +313,7 @@ def _by_server_boot(items) -> None:
     last = len(order)
     items.sort(key=lambda item: (
         item.get_closest_marker("server") is not None,
+        item.get_closest_marker("heavy") is not None,
         item.get_closest_marker("alone") is not None,
         r if (r := rank[item.nodeid.split("::")[0]]) >= 0 else last))
 

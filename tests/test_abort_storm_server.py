@@ -27,7 +27,7 @@ from sgl_spec.bench import aborts
 from sgl_spec.bench.agreement import divergence
 from sgl_spec.bench.server import SPEC, flush_cache
 
-pytestmark = [pytest.mark.server]
+pytestmark = [pytest.mark.server, pytest.mark.heavy]
 
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
