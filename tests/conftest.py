@@ -301,9 +301,9 @@ def _by_server_boot(items) -> None:
     """Sort in place: unit tests, then server-test modules in the order their shared
     servers boot (a module by the last of them it uses, so it starts once they are all
     up; modules with servers of their own after those), then ``alone``, then ``heavy``
-    (the abort storm: beside it, the fallback server's first-start measurement took
-    ~180 s of CPU share; before it, that measurement has the cores). A module's tests
-    stay together and in their order."""
+    (the abort storm: the fallback server's first-start measurement, whose time its test
+    bounds, then runs without three storms beside it). A module's tests stay together
+    and in their order."""
     order = _launch_order()
     rank: dict[str, int] = {}
     for item in items:

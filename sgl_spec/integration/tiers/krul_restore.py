@@ -200,9 +200,9 @@ class Recompute:
     @property
     def pipelined(self) -> bool:
         """Whether a pre-pass overlaps the load: ``auto`` on a GPU only. On a CPU a host
-        copy is a few percent of a restore that recomputes (0.13 s against 2.9 s at share
-        0.5, docs/results/2026-11-29-krul-pipelined-restore.md), and the pre-pass runs
-        slower on a worker thread than in the scheduler's: it costs more than it hides."""
+        copy is a small part of a restore that recomputes, and the pre-pass runs slower on
+        a worker thread than in the scheduler's: it costs more than it hides
+        (docs/design/krul.md §18)."""
         if self.mode == "auto":
             return self.runner is not None and self._device().type == "cuda"
         return self.mode == "pipelined"
