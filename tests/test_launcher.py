@@ -510,7 +510,8 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     def fake_prepare(path, *a, **k):  # the calibration: once per model, into the cache dir
         measured.append(path)
         out = str(tmp_path / "ws.json")
-        jsonfile.write_atomic(out, {"format": 2, "layers": 30, "curve": [0.0] * 29,
+        jsonfile.write_atomic(out, {"format": watershed._FORMAT, "layers": 30,
+                                    "curve": [0.0] * 29,
                                     "watershed": found, "recall": recall})
         return out
 

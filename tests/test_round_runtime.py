@@ -14,7 +14,7 @@ from sgl_spec.attention.batch import BatchView
 from sgl_spec.attention.extend import spans
 from sgl_spec.rounds.history import RoundHistory, StoredRound
 from sgl_spec.rounds.runtime import CapacityError, RoundRuntime
-from sgl_spec.rounds.select import piece_mass, round_scores
+from sgl_spec.rounds.select import piece_peak, round_scores
 from sgl_spec.tiers import blocks
 from sgl_spec.tiers.pool import Tiers
 
@@ -251,22 +251,36 @@ def test_a_checkpoint_that_points_a_request_at_the_tree_s_slots_moves_its_upper_
     assert tiers.slots.used() == 0 and tiers.slots.check() == [] and rt.live_states == 0
 
 
-def test_qatt_is_the_softmax_mass_on_each_span():
+def test_qatt_is_the_softmax_peak_on_each_span():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(3, HQ, D, generator=g), torch.randn(10, HKV, D, generator=g)
-    mass = piece_mass(q, k, [(0, 4), (4, 7), (7, 10)], SCALE)
+    peak = piece_peak(q, k, [(0, 4), (4, 7), (7, 10)], SCALE)
     kh = k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1)
     logits = q.double().transpose(0, 1) @ kh.transpose(1, 2) * SCALE
     logits.masked_fill_(torch.arange(10)[None, :] > torch.arange(7, 10)[:, None], float("-inf"))
     p = torch.softmax(logits, -1)  # [Hq, 3, 10]
-    want = torch.stack([p[..., 0:4].sum(-1), p[..., 4:7].sum(-1), p[..., 7:10].sum(-1)], -1)
-    torch.testing.assert_close(mass.double(), want, atol=1e-5, rtol=1e-5)
-    assert abs(float(mass.sum()) - 3 * HQ) < 1e-4  # every query's mass, once
-    # rounds of pieces: per head and query the pieces' sum, the largest over queries,
+    want = torch.stack([p[..., 0:4].amax(-1), p[..., 4:7].amax(-1), p[..., 7:10].amax(-1)], -1)
+    torch.testing.assert_close(peak.double(), want, atol=1e-5, rtol=1e-5)
+    # rounds of pieces: per head and query the pieces' largest, the largest over queries,
     # summed over heads
-    scores = round_scores(mass, [[0], [1, 2]])
-    per = torch.stack([want[..., 0], want[..., 1] + want[..., 2]], -1)
+    scores = round_scores(peak, [[0], [1, 2]])
+    per = torch.stack([want[..., 0], want[..., 1:].amax(-1)], -1)
     torch.testing.assert_close(scores.double(), per.amax(1).sum(0), atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_rounds_diffuse_mass_does_not_outrank_a_looked_up_fact():
+    """Hand-worked: one head, one query; a 6-key round holds 0.6 of the mass spread
+    evenly (0.1 a key), a 2-key round 0.4 with 0.35 on one key (the fact). The mass ranks
+    the long round first; the peak ranks the fact's round first."""
+    p = torch.tensor([[[0.1] * 6 + [0.35, 0.05]]])  # [Hq 1, n 1, S 8]
+    spans = [(0, 6), (6, 8)]
+    mass = torch.stack([p[..., a:b].sum(-1) for a, b in spans], -1)
+    assert mass.argmax() == 0
+    keys = torch.log(p[0, 0])[:, None, None].repeat(1, HKV, D) / D  # q . k = log p per key
+    q = torch.ones(1, 1, D).repeat(1, HQ, 1)
+    peak = piece_peak(q[:, :1], keys[:, :1], spans, 1.0)  # one head over one KV head
+    torch.testing.assert_close(peak[0, 0], torch.tensor([0.1, 0.35]), atol=1e-6, rtol=1e-5)
+    assert round_scores(peak, [[0], [1]]).argmax() == 1
 
 
 def test_one_query_that_looks_a_fact_up_decides_the_round():

@@ -119,7 +119,12 @@ def test_calibrate_watershed_prints_the_curve_and_writes_the_profile(model_path,
     assert prof["watershed"] == watershed.find_watershed(prof["curve"])
     assert len(prof["recall"]) == 30 and len(prof["asked_ranks"]) == 3
     assert all(0 <= r <= 1 for r in prof["recall"])
-    assert "mean KL to later layers" in run.out and "asked round in the top 10%" in run.out
+    kept = prof["strategy_recall"]
+    assert set(kept) == {"peak", "mass"} and set(kept["peak"]) == {"topk", "fixed", "adaptive"}
+    assert all(len(v) == 30 and all(0 <= r <= 1 for r in v)
+               for by in kept.values() for v in by.values())
+    assert "mean KL to later" in run.out and "asked round in the top 10%" in run.out
+    assert "topk / fixed / adaptive" in run.out
     assert run.out.strip().endswith(str(out))
     assert (tmp_path / "ws.png").stat().st_size > 0
     assert "watershed: conversations" in run.err  # the progress bar
@@ -188,10 +193,26 @@ def test_asked_rank_and_recall_by_hand():
     p = torch.tensor([[[0.3, 0.2, 0.3, 0.2, 0.0, 0.0],
                        [0.1, 0.0, 0.0, 0.1, 0.6, 0.2]]])  # [Hkv 1, n 2, T 6]
     spans = [(0, 2), (2, 4), (4, 6)]
-    assert watershed.asked_rank(p, spans, 2) == 1  # its largest: 0.8 against 0.5 and 0.5
+    assert watershed.asked_rank(p, spans, 2) == 1  # its peak: 0.6 against 0.3 and 0.3
     assert watershed.asked_rank(p, spans, 0) == 2  # ties count as not above
     # recall: the top tenth of 20 rounds is 2, of 5 rounds 1
     ranks = [[1, 3], [2, 1], [1, 2]]
     assert watershed.recall(ranks, [20, 20, 5]) == [1.0, 1 / 3]
     assert watershed.recall([], []) == []
+
+
+def test_kept_by_each_strategy_and_score_by_hand():
+    # one KV group, one question token: a long round spreads 0.6 of the mass (0.1 a key),
+    # a short one holds the fact (0.35 on one key)
+    p = torch.tensor([[[0.1] * 6 + [0.35, 0.05]]])  # [Hkv 1, n 1, T 8]
+    spans = [(0, 6), (6, 8)]
+    k = watershed.kept(p, spans, asked=1, recent=0)
+    # peak shares 0.22 / 0.78: every strategy keeps the fact's round
+    assert k["peak"] == {"topk": True, "fixed": True, "adaptive": True}
+    # mass shares 0.6 / 0.4: topk keeps the long round only; fixed keeps both (> 0.1);
+    # adaptive (mean + 3 std = 1.1) only the most attended, the long one
+    assert k["mass"] == {"topk": False, "fixed": True, "adaptive": False}
+    # kept per conversation and layer -> per score and strategy, per layer
+    rec = watershed.strategy_recall([[k, k], [k, watershed.kept(p, spans, 0, 0)]])
+    assert rec["peak"]["topk"] == [1.0, 0.5] and rec["mass"]["fixed"] == [1.0, 1.0]
 

@@ -300,11 +300,15 @@ def _watershed(wp: argparse.ArgumentParser, args) -> int:
     print(f"{os.path.basename(model.rstrip('/'))}: {len(prof['curves'])} conversations, "
           f"{min(prof['rounds'])}-{max(prof['rounds'])} earlier rounds, "
           f"{min(prof['tokens'])}-{max(prof['tokens'])} tokens")
-    rec = prof["recall"]
-    print("layer   mean KL to later layers   asked round in the top 10%")
+    rec, kept = prof["recall"], prof["strategy_recall"]
+    print("layer   mean KL to later   asked round in the top 10%   asked round kept by "
+          "topk / fixed / adaptive: peak score (mass score)")
     for i in range(n):
         kl = f"{curve[i]:.4f}" if i < len(curve) else "-"
-        print(f"{i + 1:5d}   {kl:>24}   {rec[i]:>26.0%}{'   <- L_w' if lw == i + 1 else ''}")
+        by = "   ".join(f"{kept['peak'][s][i]:4.0%} ({kept['mass'][s][i]:4.0%})"
+                       for s in ("topk", "fixed", "adaptive"))
+        print(f"{i + 1:5d}   {kl:>16}   {rec[i]:>26.0%}   {by}"
+              f"{'   <- L_w' if lw == i + 1 else ''}")
     print(f"L_w = {lw} of {n} layers (layers 1..L_w keep every round on the device)"
           if lw is not None else
           f"no significant local minimum in {n} layers: round mode serves this model exactly")

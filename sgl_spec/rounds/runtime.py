@@ -6,9 +6,9 @@ a ``RoundHistory``; the cache matches no further than they reach). Per forward p
 * ``plan``: every token the pass computes gets an upper slot (its upper-layer KV is
   written there); a decode pass builds the upper layers' subsets (``working_set.subsets``);
 * at the last lower layer (L_w, 1-based), a request's first extend scores the stored
-  rounds with its question's attention there (qAtt, Eq. 1: the softmax mass of the
-  question's last ``SCORE_QUERIES`` tokens on each round's keys, the largest over those
-  queries, summed over heads: ``select.round_scores``),
+  rounds with its question's attention there (qAtt, after Eq. 1: the largest softmax
+  probability of the question's last ``SCORE_QUERIES`` tokens on one of each round's keys,
+  the largest over those queries, summed over heads: ``select.round_scores``),
   selects with the configured strategy (``select``), keeps round 0 (the system prompt)
   and loads the kept rounds' blocks into upper slots, one block copy per round
   (``select_rounds``); with fewer candidate rounds than ``min_rounds`` it keeps all of
@@ -46,7 +46,7 @@ from sgl_spec.tiers import blocks
 from sgl_spec.tiers.pool import Tiers
 
 from .history import RoundHistory, StoredRound
-from .select import piece_mass, round_scores, select, strategy
+from .select import piece_peak, round_scores, select, strategy
 from .working_set import kept_positions, subsets
 
 logger = logging.getLogger(__name__)
@@ -269,8 +269,8 @@ class RoundRuntime:
             else:
                 qi = q[max(sp.q_start, sp.q_end - SCORE_QUERIES) : sp.q_end]
                 keys = k_buf.index_select(0, sp.slots)
-                mass = piece_mass(qi, keys, [(r.start, r.end) for r in rounds], scale)
-                share = round_scores(mass, [groups[g] for g in cands])
+                peak = piece_peak(qi, keys, [(r.start, r.end) for r in rounds], scale)
+                share = round_scores(peak, [groups[g] for g in cands])
                 share = share / share.sum().clamp_min(1e-30)
                 picked = select(share, self.how, self.recent)
                 ranked = [cands[i] for i in sorted(picked, key=lambda i: float(share[i]))]

@@ -1,7 +1,7 @@
 """Which earlier rounds a new question attends past the watershed (Round Attention,
 Sec. 3.3), from qAtt at layer L_w (Eq. 1) normalised over the earlier rounds.
 
-``piece_mass`` and ``round_scores`` compute qAtt from the question's queries and the
+``piece_peak`` and ``round_scores`` compute qAtt from the question's queries and the
 history's keys at L_w; the strategies below pick from it.
 
 A registry of strategies (``--spec-round-strategy``):
@@ -86,11 +86,11 @@ def select(share: torch.Tensor, how: RoundStrategy, recent: int = 1) -> list[int
     return torch.nonzero(mask).flatten().tolist()
 
 
-def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
+def piece_peak(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]],
                scale: float) -> torch.Tensor:
-    """The softmax attention mass of each query of ``q`` ([n, Hq, D], the last n queries
-    of a sequence) on keys [start, end) of ``keys`` ([S, Hkv, D], the sequence's), per
-    head and query; causal. [Hq, n, len(spans)] float32."""
+    """The largest softmax attention probability of each query of ``q`` ([n, Hq, D], the
+    last n queries of a sequence) on one key in [start, end) of ``keys`` ([S, Hkv, D], the
+    sequence's), per head and query; causal. [Hq, n, len(spans)] float32."""
     n, hq, _ = q.shape
     total, hkv = keys.shape[0], keys.shape[1]
     qh = q.float().transpose(0, 1)  # [Hq, n, D]
@@ -101,19 +101,19 @@ def piece_mass(q: torch.Tensor, keys: torch.Tensor, spans: list[tuple[int, int]]
     if not spans:
         return logits.new_zeros(hq, n, 0)
     p = torch.softmax(logits, dim=-1)
-    csum = torch.cat([p.new_zeros(hq, n, 1), p.cumsum(-1)], dim=-1)  # [Hq, n, S + 1]
-    starts = torch.tensor([s for s, _ in spans])
-    ends = torch.tensor([e for _, e in spans])
-    return csum[..., ends] - csum[..., starts]
+    return torch.stack([p[..., a:b].amax(-1) for a, b in spans], dim=-1)
 
 
-def round_scores(mass: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
-    """qAtt of each group of pieces (a round's turns) from ``piece_mass``'s [Hq, n, P]:
-    each query's mass on the group, its largest over the question's queries, summed over
-    the heads. [len(groups)] float32.
+def round_scores(peak: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """qAtt of each group of pieces (a round's turns) from ``piece_peak``'s [Hq, n, P]:
+    per head and query the group's peak (its largest probability on one key), the largest
+    over the question's queries, summed over the heads. [len(groups)] float32.
 
-    The paper's Eq. 1 sums over the question's queries; the largest keeps the one query
-    that looks a fact up from being outweighed by the rest of the question attending
-    near itself (docs/design/round-attention.md, "Selection")."""
-    per = torch.stack([mass[..., g].sum(-1) for g in groups], dim=-1)  # [Hq, n, G]
+    The paper's Eq. 1 sums each query's mass on a round over the queries. Two changes:
+    the largest over the queries keeps the one query that looks a fact up from being
+    outweighed by the rest of a short question attending near itself, and the peak
+    instead of the mass keeps a long round's diffuse share from outweighing the few keys
+    a fact lookup lands on; the thresholds of ``fixed`` and ``adaptive`` then separate the
+    looked-up round (docs/design/round-attention.md, "Selection")."""
+    per = torch.stack([peak[..., g].amax(-1) for g in groups], dim=-1)  # [Hq, n, G]
     return per.amax(dim=1).sum(0)

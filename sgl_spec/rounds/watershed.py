@@ -13,7 +13,8 @@ L_w = i + 1.
 
 Beside the curve, each conversation's question asks for the fact of one earlier round, and
 the profile records, per layer, where the selection's score (``select.round_scores``: each
-KV group's largest mass over the question's tokens, summed) ranks that round, and the share
+KV group's largest probability on one of the round's keys over the question's tokens,
+summed) ranks that round, and the share
 of conversations in which it is among the top tenth (``recall``): what a question that
 needs one round would keep, were the selection made there.
 
@@ -36,11 +37,11 @@ import torch
 
 from sgl_spec import envs, jsonfile
 
-from .select import round_scores
+from .select import STRATEGIES, round_scores, select, strategy
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 2  # 2: the selection's recall per layer
+_FORMAT = 3  # 2: the selection's recall per layer; 3: ranked by the peak score
 EPS = 1e-6  # added to every round's mass before the KL: empty rounds have log 0
 
 
@@ -95,9 +96,35 @@ def asked_rank(p: torch.Tensor, spans: list[tuple[int, int]], asked: int) -> int
     """Where the selection's score ranks round ``asked`` (0-based into ``spans``) at one
     layer: 1 = first. ``p`` [Hkv, n, T]: the question's n queries' attention,
     group-averaged (``head.train.Recorder``)."""
-    mass = torch.stack([p[..., a:b].sum(-1) for a, b in spans], dim=-1)  # [Hkv, n, R]
-    score = round_scores(mass, [[i] for i in range(len(spans))])
+    peak = torch.stack([p[..., a:b].amax(-1) for a, b in spans], dim=-1)  # [Hkv, n, R]
+    score = round_scores(peak, [[i] for i in range(len(spans))])
     return int((score > score[asked]).sum()) + 1
+
+
+SCORES = ("peak", "mass")  # the served score; each query's mass on a round, which it replaced
+
+
+def kept(p: torch.Tensor, spans: list[tuple[int, int]], asked: int, recent: int = 1
+         ) -> dict[str, dict[str, bool]]:
+    """Whether each strategy keeps round ``asked`` (0-based into ``spans``; with the last
+    ``recent`` rounds and the most attended one, as a server does), per score: the peak
+    (``select.round_scores``) and the mass. ``p`` as ``asked_rank``'s."""
+    out = {}
+    for name in SCORES:
+        per = [p[..., a:b].amax(-1) if name == "peak" else p[..., a:b].sum(-1)
+               for a, b in spans]
+        score = round_scores(torch.stack(per, dim=-1), [[i] for i in range(len(spans))])
+        share = score / score.sum().clamp_min(1e-30)
+        out[name] = {s: asked in select(share, strategy(s), recent) for s in STRATEGIES}
+    return out
+
+
+def strategy_recall(kepts: list[list[dict]]) -> dict[str, dict[str, list[float]]]:
+    """Per score and strategy, per layer, the share of conversations whose asked round it
+    keeps, from ``kept`` per conversation and layer."""
+    n = len(kepts)
+    return {sc: {st: [sum(k[layer][sc][st] for k in kepts) / n for layer in range(len(kepts[0]))]
+                 for st in STRATEGIES} for sc in SCORES} if kepts else {}
 
 
 def recall(ranks: list[list[int]], rounds: list[int], fraction: float = 0.10) -> list[float]:
@@ -189,7 +216,7 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
     fmt = derive(tok)
     layers = model.config.num_hidden_layers
     rng = random.Random(wc.seed)
-    curves, tokens, sizes, ranks = [], [], [], []
+    curves, tokens, sizes, ranks, kepts = [], [], [], [], []
     bar = tqdm(range(wc.conversations), desc="watershed: conversations", unit="conv",
                disable=not progress)
     for i in bar:
@@ -207,6 +234,7 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
             model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
         P = torch.stack([round_mass(p[:, -1].mean(0), spans) for p in rec.per_layer])
         ranks.append([asked_rank(p, spans, conv.asked - 1) for p in rec.per_layer])
+        kepts.append([kept(p, spans, conv.asked - 1) for p in rec.per_layer])
         rec.per_layer = rec.rows = None
         curves.append(mean_kl_to_later(P).tolist())
         tokens.append(len(ids))
@@ -216,7 +244,7 @@ def measure(model_path: str, wc: WatershedConfig = WatershedConfig(),
     return {"format": _FORMAT, "model": os.path.abspath(model_path), "layers": layers,
             "config": dataclasses.asdict(wc), "curve": mean.tolist(), "curves": curves,
             "tokens": tokens, "rounds": sizes, "asked_ranks": ranks,
-            "recall": recall(ranks, sizes),
+            "recall": recall(ranks, sizes), "strategy_recall": strategy_recall(kepts),
             "watershed": find_watershed(mean, wc.significance)}
 
 
