@@ -206,8 +206,8 @@ FLAGS: tuple[Flag, ...] = (
          "watershed L_w up keep only a working set on the device (the system prompt's "
          "round, the rounds each new question selects at L_w, the current round); every "
          "finished round's upper-layer KV is one host block, referenced from its radix "
-         "node. Composes with HiCache (its host pool holds the lower layers), Krul and "
-         "turn eviction. Needs a calibrated watershed (python -m sgl_spec.calibrate "
+         "node. Composes with HiCache (its host pool holds the lower layers), Krul, "
+         "turn eviction and --spec-prefill loopserve (sparse below L_w). Needs a calibrated watershed (python -m sgl_spec.calibrate "
          "watershed): without one the server serves exact and says so "
          "(docs/design/round-attention.md)."),
     Flag("--spec-round-strategy", "rounds", "strategy", "choice",
@@ -457,13 +457,12 @@ class SpecConfig:
             clash = [name for name, on in (
                 ("--spec-disable", self.disable),
                 (f"--spec-mode {self.decode.mode}", self.decode.mode != "exact"),
-                (f"--spec-prefill {self.prefill.mode}", self.prefill.mode != "exact"),
                 ("--spec-krul-profile", bool(self.krul.profile_path))) if on]
             if clash:
                 raise ValueError(f"--spec-rounds does not compose with {', '.join(clash)} yet "
-                                 "(its upper layers attend the working set, which those "
-                                 "paths do not know; a Krul restore's recompute runs every "
-                                 f"layer); valid: drop {', '.join(clash)}, or "
+                                 "(its upper layers attend the working set, which a sparse "
+                                 "decode does not know; a Krul restore's recompute runs "
+                                 f"every layer); valid: drop {', '.join(clash)}, or "
                                  "drop --spec-rounds")
         if self.disable and self.krul.enable:
             raise ValueError("--spec-krul needs sgl_spec's cache; valid: drop --spec-disable, "

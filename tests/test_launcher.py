@@ -432,8 +432,7 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
         assert got == 2 and "drop --spec-disable, or drop --spec-krul" in err
         return
     if rounds and (given_.get("--spec-disable") or given_.get("--spec-krul-profile")
-                   or given_.get("--spec-mode", "exact") != "exact"
-                   or given_.get("--spec-prefill", "exact") != "exact"):
+                   or given_.get("--spec-mode", "exact") != "exact"):
         assert got == 2 and "--spec-rounds does not compose with" in err
         return
     if given_.get("--spec-tree-core") == "compiled" and (
@@ -486,6 +485,8 @@ def test_round_mode_refuses_what_it_cannot_serve_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         split_argv(["--spec-rounds", "--spec-mode", "loopserve"])
     assert "--spec-rounds does not compose with --spec-mode loopserve" in capsys.readouterr().err
+    cfg, _ = split_argv(["--spec-rounds", "--spec-prefill", "loopserve"])  # below L_w
+    assert cfg.rounds.enable and cfg.prefill.mode == "loopserve"
     cfg, _ = split_argv(["--spec-rounds", "--spec-krul"])  # Krul composes; its recompute not
     assert cfg.rounds.enable and cfg.krul.enable
     with pytest.raises(ValueError, match="does not compose with --spec-krul-profile"):

@@ -291,3 +291,50 @@ def test_one_query_that_looks_a_fact_up_decides_the_round():
                          [[0.3, 0.0], [0.3, 0.0], [0.0, 0.5]]])  # [Hq 2, n 3, P 2]
     assert mass.sum((0, 1)).argmax() == 0  # Eq. 1's sum
     torch.testing.assert_close(round_scores(mass, [[0], [1]]), torch.tensor([0.6, 1.0]))
+
+def test_loopserve_prefill_serves_the_layers_below_the_watershed():
+    """``--spec-rounds --spec-prefill loopserve``: a long new turn's extend takes LoopServe's
+    sparse path at the layers below the split (its lines offered to the cache after the
+    last of them), round mode selects at the last one, and the upper layers attend the
+    working set, unchanged by the prefill."""
+    from sgl_spec.attention import build_core
+    from sgl_spec.config import PrefillConfig, RoundConfig, SpecConfig
+    from sgl_spec.sparse.policy import AttnShape
+
+    g = torch.Generator().manual_seed(5)
+    tiers = _pool()
+    cfg = SpecConfig(prefill=PrefillConfig(mode="loopserve", min_tokens=4, max_density=1.0,
+                                           skip_density=1.0),
+                     rounds=RoundConfig(enable=True, min_rounds=2, watershed=SPLIT))
+    core = build_core(cfg, AttnShape(LAYERS, HQ, HKV, D, torch.float32), "cpu", tiers=tiers)
+    assert core.prefill.num_layers == SPLIT
+    history, data = _history(g)
+    req_to_token = torch.zeros(4, 128, dtype=torch.int32)
+    slots = torch.randperm(FULL - 1, generator=g)[: PREFIX + NEW] + 1
+    req_to_token[1, : PREFIX + NEW] = slots.int()
+    core.rounds.seed("q", history)
+    batch = _batch("extend", "q", 1, PREFIX + NEW, NEW, req_to_token, slots[PREFIX:])
+    plan = core.plan(batch)
+    assert list(plan.extend.turns) == [0] and plan.rounds.select_idx == [0]
+    offered = []
+    core.hub.offer_lines = lambda rid, lines: offered.append((rid, sorted(lines.layers)))
+    for layer in range(LAYERS):
+        k_buf, v_buf = tiers.k_bufs[layer], tiers.v_bufs[layer]
+        rows = slots[PREFIX:] if layer < SPLIT else tiers.upper_rows(slots[PREFIX:])
+        k_buf[rows] = torch.randn(NEW, HKV, D, generator=g)
+        v_buf[rows] = torch.randn(NEW, HKV, D, generator=g)
+        q = torch.randn(NEW, HQ, D, generator=g)
+        out = core.run(plan, layer, q, k_buf, v_buf, torch.empty(NEW, HQ, D), SCALE)
+        if layer < SPLIT:
+            assert sorted(core.prefill.stats.layers) == list(range(layer + 1))
+            continue
+        st = core.rounds.states["q"]
+        keys = torch.cat([data[layer - SPLIT, 0, st.kept_pos], k_buf[rows]])
+        vals = torch.cat([data[layer - SPLIT, 1, st.kept_pos], v_buf[rows]])
+        torch.testing.assert_close(out.double(), _reference(q, keys, vals), atol=1e-5,
+                                   rtol=1e-5)
+    assert core.prefill.stats.sparse_extends == 1 and sorted(core.prefill.stats.layers) == [0, 1]
+    assert offered == [("q", [0, 1])]  # after layer SPLIT - 1, not after the last layer
+    assert core.rounds.counts["selections"] == 1
+    core.hub.release("q")
+    assert tiers.slots.used() == 0 and core.rounds.live_states == 0

@@ -1,5 +1,7 @@
 """Round mode in a real server (issue 44): the default model, a layer-tiered pool (L_w 12 of
-30, an upper tier of half the full pool's slots), with HiCache, Krul, turn eviction and the
+30, an upper tier of half the full pool's slots), with HiCache, Krul, turn eviction,
+LoopServe's prefill (below L_w; its turns here are shorter than its 2048-token minimum, so
+this starts the composition, and test_round_runtime checks its sparse extends) and the
 opt-in dropping of rounds no selection kept (Sec. 3.4) on,
 conversations played turn by turn through the chat API. A conversation with fewer earlier
 rounds than the threshold attends all of them and answers as the exact server does, with
@@ -39,7 +41,7 @@ def _flags(model_path: str) -> list[str]:
             "--spec-round-drop-after", str(DROP_AFTER),
             "--enable-hierarchical-cache", "--hicache-ratio", "2", "--enable-cache-report",
             "--spec-krul", "--spec-krul-stats", krul_stats(model_path),
-            "--spec-cache-eviction", "turn"]
+            "--spec-cache-eviction", "turn", "--spec-prefill", "loopserve"]
 
 
 if not boot.cuda_host():  # launched lazily (conftest), as the module before its tests starts

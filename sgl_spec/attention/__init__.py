@@ -57,9 +57,6 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         hub.add_live_source("policy_states", lambda: policy.live_states)
         hub.add_live_source("policy_slots", lambda: len(policy.slots))
         hub.add_rows_source(decoder.rows)
-    prefill = None
-    if cfg.prefill.mode != "exact":
-        prefill = _sparse_prefill(cfg, shape, torch.device(device), enable_metrics, hub)
     observer = None
     if cfg.krul.enable and cfg.krul.strategy == "conversation":
         from .observe import KrulObserver
@@ -78,6 +75,11 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
         hub.add_live_source("round_seeds", lambda: len(rounds.seeds))
         hub.add_live_source("round_working_sets", lambda: rounds.live_states)
         hub.add_live_source("round_upper_slots", lambda: rounds.tiers.slots.used())
+    prefill = None
+    if cfg.prefill.mode != "exact":
+        # round mode: the upper layers attend the working set; LoopServe the ones below
+        layers = shape.num_layers if rounds is None else tiers.first_layer + tiers.split
+        prefill = _sparse_prefill(cfg, layers, torch.device(device), enable_metrics, hub)
     logger.info("sgl_spec attention: decode %s (%s), prefill %s, %s%s%s", cfg.decode.mode,
                 cfg.decode, cfg.prefill.mode, shape,
                 ", Krul's estimator observes each conversation" if observer else "",
@@ -87,8 +89,9 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
                          observer, hub, rounds)
 
 
-def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,
+def _sparse_prefill(cfg: SpecConfig, layers: int, device: torch.device,
                     enable_metrics: bool, hub: RequestHub):
+    """LoopServe's prefill over layers 0..``layers`` - 1 (round mode: those below L_w)."""
     from .prefill import SparsePrefill
 
     metrics = None
@@ -104,4 +107,4 @@ def _sparse_prefill(cfg: SpecConfig, shape: AttnShape, device: torch.device,
         if cpu_kernel.load_kernel() is not None:
             kernel = "cpp"
     logger.info("sgl_spec sparse prefill: %s, CPU line kernel: %s", cfg.prefill, kernel)
-    return SparsePrefill(cfg.prefill, shape.num_layers, metrics=metrics, hub=hub)
+    return SparsePrefill(cfg.prefill, layers, metrics=metrics, hub=hub)
