@@ -316,7 +316,7 @@ def with_watershed(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.
         path = watershed.prepare(model)
         prof = watershed.load(path)
         lw, source = prof["watershed"], f"profile {path}"
-        weak = watershed.weak_selection(prof)
+        weak = watershed.weak_selection(prof, r.strategy)
         if weak:  # the selection there would lose what the questions ask for
             text = f"--spec-rounds: {weak} ({source}): serving exact"
             logger.warning("%s", text)

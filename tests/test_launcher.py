@@ -513,12 +513,13 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
         out = str(tmp_path / "ws.json")
         jsonfile.write_atomic(out, {"format": watershed._FORMAT, "layers": 30,
                                     "curve": [0.0] * 29,
-                                    "watershed": found, "recall": recall})
+                                    "watershed": found, "recall": recall,
+                                    "strategy_recall": by_strategy})
         return out
 
     monkeypatch.setattr(watershed, "prepare", fake_prepare)
     cfg, _ = split_argv(["--spec-rounds", "--spec-round-strategy", "fixed"])
-    found, recall = 12, [0.9] * 30
+    found, recall, by_strategy = 12, [0.9] * 30, {}
     got = with_watershed(cfg, argv).rounds
     assert (got.enable, got.watershed, got.strategy) == (True, 12, "fixed")
     assert "L_w 12 of 30 layers" in got.decision and measured == [str(model)]
@@ -537,3 +538,11 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     assert "60% of the calibration's questions" in got.decision and "layer 10: 90%" in got.decision
     given, _ = split_argv(["--spec-rounds", "--spec-round-watershed", "12"])
     assert with_watershed(given, argv).rounds.enable  # a given watershed is used as given
+    # per strategy: fixed keeps the asked round at L_w for 70%, topk for 90%
+    recall = [0.9] * 30
+    by_strategy = {"peak": {"topk": [0.9] * 30, "fixed": [0.7] * 12 + [0.8] * 18}}
+    got = with_watershed(cfg, argv).rounds
+    assert not got.enable and "(fixed) at L_w 12 keeps the asked round for 70%" in got.decision
+    assert "highest at layer 13: 80%" in got.decision
+    topk, _ = split_argv(["--spec-rounds"])
+    assert with_watershed(topk, argv).rounds.enable

@@ -417,8 +417,10 @@ def main(argv: list[str] | None = None) -> None:
         lw = prof["watershed"]
         if lw is None:
             ap.error(f"the calibration of {model} found no watershed; pass --watershed")
-        if weak := watershed.weak_selection(prof):  # a server would serve exact here
-            ap.error(f"{weak}; pass --watershed to measure round mode at a layer anyway")
+        for row in rows:  # a server would serve exact here
+            if row.startswith("round-") and (weak := watershed.weak_selection(
+                    prof, row.split("-", 1)[1])):
+                ap.error(f"{weak}; pass --watershed to measure round mode at a layer anyway")
     tok = AutoTokenizer.from_pretrained(model)
     extra = shlex.split(args.server_flags)
     q = args.quick

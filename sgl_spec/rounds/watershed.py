@@ -142,14 +142,18 @@ def recall(ranks: list[list[int]], rounds: list[int], fraction: float = 0.10) ->
 MIN_RECALL = 0.75  # the selection's recall at L_w below which a server serves exact
 
 
-def weak_selection(prof: dict, bar: float = MIN_RECALL) -> str | None:
-    """Why selecting at the profile's L_w would lose what questions ask for (its recall
-    there under ``bar``, naming the layer where the recall is highest), or None."""
-    lw, rec = prof.get("watershed"), prof.get("recall")
+def weak_selection(prof: dict, strategy: str = "topk", bar: float = MIN_RECALL) -> str | None:
+    """Why selecting with ``strategy`` at the profile's L_w would lose what questions ask
+    for (the share of the calibration's questions whose asked round it keeps there under
+    ``bar``, naming the layer where that share is highest), or None. Profiles without
+    per-strategy shares read the top-tenth recall."""
+    lw = prof.get("watershed")
+    rec = ((prof.get("strategy_recall") or {}).get("peak") or {}).get(strategy) \
+        or prof.get("recall")
     if lw is None or not rec or rec[lw - 1] >= bar:
         return None
     best = max(range(len(rec) - 1), key=lambda i: (rec[i], -i))  # the last layer: no upper
-    return (f"the selection at L_w {lw} ranks the asked round in the top tenth for "
+    return (f"the selection ({strategy}) at L_w {lw} keeps the asked round for "
             f"{rec[lw - 1]:.0%} of the calibration's questions (under {bar:.0%}; highest "
             f"at layer {best + 1}: {rec[best]:.0%}; --spec-round-watershed N selects there)")
 
