@@ -56,3 +56,55 @@ def test_each_threshold_is_the_longest_length_that_fits(layers, heads, dim, requ
     lengths = sorted({max(0, s) for s in limits} | {0, 10**9})
     counts = [on_host(n, limits) for n in lengths]
     assert counts == sorted(counts)
+
+
+# ---- Algorithm 2 on a server's pool: grow, finish, abort, retraction --------------------
+def test_placement_by_hand():
+    from sgl_spec.tiers.offload import Move, Placement
+
+    # the hand-worked case over a pool: 2 running requests, budget 5 rows each -> the
+    # pool's limits for one "request" of 10 buffer rows: (960 - i*10*4) // ((5 - i)*4)
+    p = Placement(1090, 100, 5, SHAPE)
+    assert p.limits(2) == [48, 57, 73, 105, 200]
+    assert p.update(40, 2) == Move([], []) and p.host() == [] and p.device() == [0, 1, 2, 3]
+    assert p.update(60, 2) == Move([3, 2], [])  # past S_0 = 48 and S_1 = 57
+    assert p.host() == [3, 2] and p.device() == [0, 1]
+    assert p.update(30, 1) == Move([], [])  # a request finished: nothing comes back
+    assert p.update(0, 0) == Move([], [2, 3]) and p.host() == []  # the pool drained
+    with pytest.raises(ValueError, match=">= 0"):
+        p.update(-1, 0)
+
+
+@given(layers=st.integers(1, 12), budget=st.integers(0, 64),
+       events=st.lists(st.tuples(st.sampled_from(["grow", "finish", "abort", "retract"]),
+                                 st.integers(0, 7), st.integers(1, 400)), max_size=60))
+def test_every_layer_is_on_exactly_one_tier_across_grow_finish_abort_retraction(
+        layers, budget, events):
+    from sgl_spec.tiers.offload import Placement
+
+    shape = Shape(layers, 1, 1, 2)  # 4 bytes a token and layer
+    memory = 130 + 4 * (layers + 1) * 300  # 300 tokens fit with every layer resident
+    p = Placement(memory, 100, budget, shape)
+    reqs: dict[int, int] = {}  # request -> tokens in the pool
+    host: set[int] = set()
+    for what, rid, n in events:
+        if what == "grow":
+            reqs[rid] = reqs.get(rid, 0) + n
+        else:  # finish, abort and retraction all free the request's tokens
+            reqs.pop(rid, None)
+        tokens, before = sum(reqs.values()), len(host)
+        move = p.update(tokens, len(reqs))
+        assert not set(move.offload) & host and set(move.reload) <= host
+        host = (host | set(move.offload)) - set(move.reload)
+        assert host == set(p.host()) and set(p.device()) | host == set(range(layers))
+        assert not set(p.device()) & host
+        assert sorted(host) == list(range(layers - len(host), layers))  # the last ones
+        if tokens:
+            assert len(host) >= before  # nothing comes back while tokens are in use
+            target = on_host(tokens, p.limits(len(reqs)))
+            assert len(host) >= target  # never fewer on the host than Algorithm 2 asks
+            if len(host) == target < layers:  # Equation 7 holds at its placement
+                assert _bytes(shape, 100, 1, budget * max(1, len(reqs)), target,
+                              tokens) <= memory
+        else:
+            assert host == set()

@@ -4,8 +4,10 @@ generation keeps on the device as it grows.
 ``thresholds`` is Algorithm 1: the sequence lengths S_0 <= S_1 <= ... <= S_L past which
 one more layer (the last first) must leave the device for R requests' KV to fit in the
 memory left after the weights. ``on_host`` is Algorithm 2's inner loop: the layers on the
-host at length S. Pure arithmetic, in bytes; what moves the KV is the tiered pool's
-(issue 45, docs/design/offload.md).
+host at length S. ``Placement`` runs Algorithm 2 on a server's pool: its tokens in use in
+place of R x S, layers leaving as they grow and coming back when the pool drains. Pure
+arithmetic, in bytes; what moves the KV is the tiered pool's (issue 45, not yet wired:
+docs/design/offload.md).
 
 Equation 7 of the paper, with this project's names: the device holds the weights (x1.3
 for the runtime's activations), the full KV of the ``L - i`` layers still on it plus the
@@ -80,3 +82,54 @@ def host_layers(length: int, limits: list[int]) -> list[int]:
     first (the order Algorithm 2 offloads them)."""
     L = len(limits) - 1
     return [L - 1 - j for j in range(on_host(length, limits))]
+
+
+class Move(NamedTuple):
+    """What one ``Placement.update`` changed: layers to offload now (the last first) and
+    layers back on the device (all of them, when the pool drained)."""
+
+    offload: list[int]
+    reload: list[int]
+
+
+class Placement:
+    """Algorithm 2 on a server's pool (docs/design/offload.md, "How it maps onto a
+    server"): the pool keeps one set of offloaded layers, the last ``offloaded`` ones,
+    moved by its tokens in use in place of the paper's R x S. With ``running`` requests,
+    Algorithm 1 for one "request" of that many tokens and ``budget`` x ``running`` rows
+    per offloaded layer gives the token counts past which one more layer leaves. Layers
+    only leave while tokens are in use; all come back when the pool drains (the paper
+    never moves one back while it runs). Every layer is on exactly one tier."""
+
+    def __init__(self, memory: int, weights: int, budget: int, shape: Shape):
+        thresholds(memory, weights, 1, budget, shape)  # ValueError: nothing fits
+        self.memory, self.weights, self.budget, self.shape = memory, weights, budget, shape
+        self.offloaded = 0
+
+    def host(self) -> list[int]:
+        """The layers on the host, the last first (the order they left)."""
+        L = self.shape.layers
+        return [L - 1 - j for j in range(self.offloaded)]
+
+    def device(self) -> list[int]:
+        return list(range(self.shape.layers - self.offloaded))
+
+    def limits(self, running: int) -> list[int]:
+        """Algorithm 1 over the pool: S_i in tokens in use, ``running`` requests."""
+        return thresholds(self.memory, self.weights, 1, self.budget * max(1, running),
+                          self.shape)
+
+    def update(self, tokens: int, running: int) -> Move:
+        """After a grow, finish, abort or retraction: the pool holds ``tokens`` tokens of
+        ``running`` requests."""
+        if tokens < 0 or running < 0:
+            raise ValueError(f"tokens and running must be >= 0; got {tokens}, {running}")
+        if tokens == 0:
+            back, self.offloaded = sorted(self.host()), 0
+            return Move([], back)
+        want = on_host(tokens, self.limits(running))
+        if want <= self.offloaded:
+            return Move([], [])
+        before = self.offloaded
+        self.offloaded = want
+        return Move(self.host()[before:], [])
