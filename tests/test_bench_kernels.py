@@ -89,6 +89,9 @@ def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "| 300 | 2 | loopserve cpu |" in out and "| 300 | 2 | round cpu |" in out
     assert res["config"]["watershed"] == 1  # 0.4 of the layers
+    # LoopServe's reselection, where it has a sparse step: its cost and the mean step
+    assert "reselect_ms" not in short and long_["reselect_ms"] > 0
+    assert "LoopServe at 300 x 2: a reselection (every 16 steps) adds" in out
 
 
 def test_split_tune_table_marks_the_default_and_refuses_a_cpu_host(capsys):

@@ -13,6 +13,11 @@ scattered slots, as a server's pool after some churn), through
   subsets with the C++ kernel or the torch fallback (SDPA's fused kernel);
 * ``loopserve cpu``: a sparse step of LoopServe B=``--budget`` (sink 4, window 64 + 16
   decoded tokens), what a selected request attends;
+* LoopServe's reselection (``reselect_ms``, below the table): what a step that renews the
+  selection adds, every ``nd`` = 16 steps: per layer, the request's keys gathered from the
+  pool, scored by the last 16 decoded queries (``sparse.scoring.score_history``) and the
+  top B kept (``select_topk``), as ``LoopServePolicy.reselect``; and the mean step of a
+  long generation (the sparse step + 1/16 of it);
 * ``round cpu``: a round-mode step: layers 1..``--watershed`` over the whole history, the
   layers above over ``--kept-share`` of it (round 0, the kept rounds, the current round;
   here the share as scattered positions), each with the C++ kernel.
@@ -229,8 +234,32 @@ def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
             torch_native_decode(q, out, k, v, r2t, rows, seq, scale)
         return out
 
-    return _measure("torch_native", native, subsets, dense, q, ks, vs, scale, repeats,
-                    history, batch)
+    res = _measure("torch_native", native, subsets, dense, q, ks, vs, scale, repeats,
+                   history, batch)
+    if "loopserve cpu" in subsets:
+        res["reselect_ms"] = 1e3 * median_s(_reselect(ks, r2t, rows, seq, hq, budget, scale),
+                                            repeats, warmup=1)
+    return res
+
+
+def _reselect(ks, r2t, rows, seq, hq: int, budget: int, scale: float, nd: int = 16,
+              sink: int = 4, window: int = 80):
+    """One LoopServe reselection of every layer, as ``LoopServePolicy.reselect`` makes it
+    (the keys gathered as ``Decoder`` gathers them for rows on scattered slots)."""
+    from sgl_spec.sparse.scoring import score_history, select_topk
+
+    n, d = int(seq[0]), ks[0].shape[2]
+    g = torch.Generator().manual_seed(2)
+    ring = torch.randn(len(rows), nd, hq, d, generator=g)
+    q_pos = torch.arange(n - nd, n)[None].expand(len(rows), -1)
+    slots = r2t[rows, :n].long()
+    lo, hi = torch.full((len(rows),), sink), torch.full((len(rows),), n - window)
+
+    def step():
+        for k in ks:
+            keys = k.index_select(0, slots.reshape(-1)).view(len(rows), n, *k.shape[1:])
+            select_topk(score_history(ring, keys, scale, q_pos, seq), budget, lo, hi)
+    return step
 
 
 def run_point_cuda(history: int, batch: int, layers: int, budget: int, repeats: int,
@@ -292,7 +321,17 @@ def markdown(res: dict) -> str:
     cols = ["history", "batch", "path", "ms / step", f"vs {base}"]
     if graph:
         cols += ["ms / step, CUDA graph", f"vs {base}, graph"]
-    return "\n".join([head, "", *render.table(cols + ["rel. err (fp64)"], rows)]) + "\n"
+    notes = []
+    for pt in res["points"]:
+        if "reselect_ms" in pt:
+            sparse, exact = pt["ms"]["loopserve cpu"], pt["ms"]["exact cpu"]
+            mean = sparse + pt["reselect_ms"] / 16
+            notes.append(f"- LoopServe at {pt['history']} x {pt['batch']}: a reselection "
+                         f"(every 16 steps) adds {pt['reselect_ms']:.1f} ms; a long "
+                         f"generation's mean step {mean:.2f} ms, {mean / exact:.2f}x exact "
+                         "cpu's")
+    return "\n".join([head, "", *render.table(cols + ["rel. err (fp64)"], rows),
+                      *([""] + notes if notes else [])]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
