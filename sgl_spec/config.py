@@ -207,9 +207,9 @@ FLAGS: tuple[Flag, ...] = (
          "round, the rounds each new question selects at L_w, the current round); every "
          "finished round's upper-layer KV is one host block, referenced from its radix "
          "node. Composes with HiCache (its host pool holds the lower layers), Krul, "
-         "turn eviction and --spec-prefill loopserve (sparse below L_w). Needs a calibrated watershed (python -m sgl_spec.calibrate "
-         "watershed): without one the server serves exact and says so "
-         "(docs/design/round-attention.md)."),
+         "turn eviction and --spec-prefill loopserve (sparse below L_w). Needs a "
+         "calibrated watershed (python -m sgl_spec.calibrate watershed): without one the "
+         "server serves exact and says so (docs/design/round-attention.md)."),
     Flag("--spec-round-strategy", "rounds", "strategy", "choice",
          "Which earlier rounds a question attends past L_w, from its attention at L_w "
          "(qAtt): 'topk' the top tenth, 'fixed' those over 0.1 of it, 'adaptive' those over "

@@ -123,8 +123,11 @@ def strategy_recall(kepts: list[list[dict]]) -> dict[str, dict[str, list[float]]
     """Per score and strategy, per layer, the share of conversations whose asked round it
     keeps, from ``kept`` per conversation and layer."""
     n = len(kepts)
-    return {sc: {st: [sum(k[layer][sc][st] for k in kepts) / n for layer in range(len(kepts[0]))]
-                 for st in STRATEGIES} for sc in SCORES} if kepts else {}
+    if not kepts:
+        return {}
+    layers = range(len(kepts[0]))
+    return {sc: {st: [sum(k[layer][sc][st] for k in kepts) / n for layer in layers]
+                 for st in STRATEGIES} for sc in SCORES}
 
 
 def recall(ranks: list[list[int]], rounds: list[int], fraction: float = 0.10) -> list[float]:
@@ -142,18 +145,18 @@ def recall(ranks: list[list[int]], rounds: list[int], fraction: float = 0.10) ->
 MIN_RECALL = 0.75  # the selection's recall at L_w below which a server serves exact
 
 
-def weak_selection(prof: dict, strategy: str = "topk", bar: float = MIN_RECALL) -> str | None:
-    """Why selecting with ``strategy`` at the profile's L_w would lose what questions ask
-    for (the share of the calibration's questions whose asked round it keeps there under
-    ``bar``, naming the layer where that share is highest), or None. Profiles without
-    per-strategy shares read the top-tenth recall."""
+def weak_selection(prof: dict, how: str = "topk", bar: float = MIN_RECALL) -> str | None:
+    """Why selecting with strategy ``how`` at the profile's L_w would lose what questions
+    ask for (the share of the calibration's questions whose asked round it keeps there
+    under ``bar``, naming the layer where that share is highest), or None. Profiles
+    without per-strategy shares read the top-tenth recall."""
     lw = prof.get("watershed")
-    rec = ((prof.get("strategy_recall") or {}).get("peak") or {}).get(strategy) \
+    rec = ((prof.get("strategy_recall") or {}).get("peak") or {}).get(how) \
         or prof.get("recall")
     if lw is None or not rec or rec[lw - 1] >= bar:
         return None
     best = max(range(len(rec) - 1), key=lambda i: (rec[i], -i))  # the last layer: no upper
-    return (f"the selection ({strategy}) at L_w {lw} keeps the asked round for "
+    return (f"the selection ({how}) at L_w {lw} keeps the asked round for "
             f"{rec[lw - 1]:.0%} of the calibration's questions (under {bar:.0%}; highest "
             f"at layer {best + 1}: {rec[best]:.0%}; --spec-round-watershed N selects there)")
 
