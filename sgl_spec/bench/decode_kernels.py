@@ -54,6 +54,7 @@ import torch
 
 from sgl_spec.bench import cli, render
 from sgl_spec.bench.timing import median_s
+from sgl_spec.config import DecodeConfig
 from sgl_spec.kernels.sparse_decode import DecodeSubsets, dense_subsets, sparse_decode
 from sgl_spec.kernels.sparse_decode.common import check_inputs, check_out, dims_of
 from sgl_spec.kernels.sparse_decode.reference import sparse_decode_reference
@@ -242,7 +243,10 @@ def run_point(history: int, batch: int, layers: int, budget: int, repeats: int,
     return res
 
 
-def _reselect(ks, r2t, rows, seq, hq: int, budget: int, scale: float, nd: int = 16,
+RESELECT_EVERY = DecodeConfig.nd  # LoopServe's n_d: steps between reselections
+
+
+def _reselect(ks, r2t, rows, seq, hq: int, budget: int, scale: float, nd: int = RESELECT_EVERY,
               sink: int = 4, window: int = 80):
     """One LoopServe reselection of every layer, as ``LoopServePolicy.reselect`` makes it
     (the keys gathered as ``Decoder`` gathers them for rows on scattered slots)."""
@@ -325,9 +329,9 @@ def markdown(res: dict) -> str:
     for pt in res["points"]:
         if "reselect_ms" in pt:
             sparse, exact = pt["ms"]["loopserve cpu"], pt["ms"]["exact cpu"]
-            mean = sparse + pt["reselect_ms"] / 16
+            mean = sparse + pt["reselect_ms"] / RESELECT_EVERY
             notes.append(f"- LoopServe at {pt['history']} x {pt['batch']}: a reselection "
-                         f"(every 16 steps) adds {pt['reselect_ms']:.1f} ms; a long "
+                         f"(every {RESELECT_EVERY} steps) adds {pt['reselect_ms']:.1f} ms; a long "
                          f"generation's mean step {mean:.2f} ms, {mean / exact:.2f}x exact "
                          "cpu's")
     return "\n".join([head, "", *render.table(cols + ["rel. err (fp64)"], rows),

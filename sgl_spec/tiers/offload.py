@@ -77,11 +77,15 @@ def on_host(length: int, limits: list[int]) -> int:
     return n
 
 
+def last_layers(layers: int, n: int) -> list[int]:
+    """The last ``n`` of ``layers`` layers, the last first (the order Algorithm 2 offloads
+    them)."""
+    return [layers - 1 - j for j in range(n)]
+
+
 def host_layers(length: int, limits: list[int]) -> list[int]:
-    """The layer indices on the host at ``length``: the last ``on_host`` ones, the last
-    first (the order Algorithm 2 offloads them)."""
-    L = len(limits) - 1
-    return [L - 1 - j for j in range(on_host(length, limits))]
+    """The layer indices on the host at ``length``: the last ``on_host`` ones."""
+    return last_layers(len(limits) - 1, on_host(length, limits))
 
 
 class Move(NamedTuple):
@@ -108,8 +112,7 @@ class Placement:
 
     def host(self) -> list[int]:
         """The layers on the host, the last first (the order they left)."""
-        L = self.shape.layers
-        return [L - 1 - j for j in range(self.offloaded)]
+        return last_layers(self.shape.layers, self.offloaded)
 
     def device(self) -> list[int]:
         return list(range(self.shape.layers - self.offloaded))
