@@ -40,6 +40,8 @@ PROFILE_CHOICES = ("auto", "off")
 PREFILL_MODES = ("exact", "loopserve")
 # Round Attention's selection of earlier rounds (sgl_spec.rounds.select's registry).
 ROUND_STRATEGIES = ("topk", "fixed", "adaptive")
+# SpeContext's adaptive memory management (sgl_spec.tiers.offload): off, or Algorithm 2.
+OFFLOAD = ("off", "auto")
 
 
 class Flag(NamedTuple):
@@ -102,6 +104,18 @@ FLAGS: tuple[Flag, ...] = (
          "stream; 'auto' is stream on CUDA, inline on CPU (a worker thread competes "
          "with the layers for the same cores).",
          PREFETCH),
+    Flag("--spec-offload", "decode", "offload", "choice",
+         "specontext: SpeContext's adaptive memory management (Sec 6). 'auto': as the KV "
+         "pool's tokens in use grow past Algorithm 1's thresholds for the device KV "
+         "budget (--spec-offload-kv-bytes), one more layer's KV (the last first) moves to "
+         "the host, and sparse rows read it only through their elastic loads into the "
+         "staging rows; layers come back when the pool drains. --max-total-tokens is then "
+         "the pool's slots on both tiers. CPU only; not with HiCache or --spec-rounds "
+         "(docs/design/offload.md). 'off': every layer stays on the device.", OFFLOAD),
+    Flag("--spec-offload-kv-bytes", "decode", "offload_kv_bytes", "int",
+         "--spec-offload auto: the device KV byte budget (the resident layers' rows in use, "
+         "the retrieval head's layer and the staging rows), e.g. 67108864 for 64 MiB.",
+         lo=0),
     Flag("--spec-sparse-kv-cache", "decode", "sparse_kv_cache", "choice",
          "Sparse modes: what the radix cache keeps of a request's KV from its first "
          "sparse decode step on (its output tokens' K and V past layer 0 come from "
@@ -298,6 +312,8 @@ class DecodeConfig:
     dense_layers: int = 0
     profile_path: str = "auto"
     sparse_kv_cache: str = "auto"
+    offload: str = "off"
+    offload_kv_bytes: int = 0
     # Why this server decodes as it does (the launcher's --spec-decode-profile decision;
     # GET /sgl_spec/cache shows it). Not a flag.
     decision: str = ""
@@ -327,6 +343,17 @@ class DecodeConfig:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "
                              f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
+        if self.offload != "off" and self.mode != "specontext":
+            raise ValueError(f"--spec-offload {self.offload} needs --spec-mode specontext (got "
+                             f"{self.mode}: only its rows read offloaded layers through "
+                             "staging rows); valid: --spec-offload off, or --spec-mode "
+                             "specontext")
+        if self.offload == "auto" and not self.offload_kv_bytes:
+            raise ValueError("--spec-offload auto needs --spec-offload-kv-bytes (the device KV "
+                             "byte budget); valid: a number of bytes > 0, or --spec-offload off")
+        if self.offload == "off" and self.offload_kv_bytes:
+            raise ValueError("--spec-offload-kv-bytes is read only with --spec-offload auto; "
+                             "valid: drop it, or add --spec-offload auto")
 
     @property
     def drops_sparse_kv(self) -> bool:

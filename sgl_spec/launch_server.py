@@ -292,6 +292,21 @@ def check_rounds(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> Non
                          "--spec-rounds")
 
 
+def check_offload(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> None:
+    """ValueError where ``--spec-offload auto`` cannot work with sglang's flags or this
+    host."""
+    if cfg.disable or cfg.decode.offload == "off":
+        return
+    if _given(argv, "--enable-hierarchical-cache"):
+        raise ValueError("--spec-offload auto with --enable-hierarchical-cache is not "
+                         "supported yet (HiCache's host pool copies the device buffers by "
+                         "address, which an offloaded layer changes); valid: drop one")
+    if not cpu:
+        raise ValueError("--spec-offload auto serves on CPU hosts only so far (sglang's CUDA "
+                         "kernels would read an offloaded layer's host buffer); valid: "
+                         "--spec-offload off")
+
+
 def with_watershed(cfg: spec_config.SpecConfig, argv: list[str]) -> spec_config.SpecConfig:
     """``cfg`` with round mode's watershed resolved: ``--spec-round-watershed``, or the
     model's calibrated profile (measured once, progress bar, into the cache dir). A
@@ -417,6 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         check_krul_profile(cfg, argv)
         check_rounds(cfg, argv, cpu)
+        check_offload(cfg, argv, cpu)
         cfg = with_decode_profile(cfg, argv, cpu=cpu)
         cfg = with_watershed(cfg, argv)
     except ValueError as exc:

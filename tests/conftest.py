@@ -183,6 +183,21 @@ def _specontext_flags(model_path: str) -> list[str]:
             "--enable-hierarchical-cache", "--hicache-ratio", "2"]
 
 
+# --spec-offload auto's device KV budget for the offload server (bfloat16): the staging
+# rows of two requests (SPECONTEXT_BUDGET; 12,165,120 bytes) and ~600 tokens at every
+# layer, so a ~1000-token prompt moves about a third of the layers to the host
+OFFLOAD_KV_BYTES = 26_450_000
+
+
+def _offload_flags(model_path: str) -> list[str]:
+    """The SpeContext server's flags with its layers offloaded past OFFLOAD_KV_BYTES (no
+    HiCache: offload refuses it), in a pool whose slots hold a long request on both tiers."""
+    flags = _specontext_flags(model_path)
+    flags = flags[:len(flags) - flags[::-1].index("--max-total-tokens") - 1]
+    return [*flags, "--max-total-tokens", "4000", "--spec-offload", "auto",
+            "--spec-offload-kv-bytes", str(OFFLOAD_KV_BYTES)]
+
+
 class Early(NamedTuple):
     """A shared server: ``flags(model_path)`` may prepare what the flags name (a head,
     statistics), in subprocesses only and importing nothing (it runs in the launch
@@ -215,6 +230,7 @@ EARLY_SERVERS: dict[str, Early] = {  # fixture name -> Early; modules add theirs
     "loopserve_server": Early(SPEC, _loopserve_flags),
     "small_budget_server": Early(SPEC, _small_budget_flags),
     "specontext_server": Early(SPEC, _specontext_flags, prepares=True, host_tier=True),
+    "offload_server": Early(SPEC, _offload_flags, prepares=True),
 }
 _launched: dict[str, ServerProcess] = {}
 _lazy_at: dict[str, list[str]] = {}  # node id -> the lazy servers launched as it starts
@@ -452,3 +468,9 @@ def small_budget_server(model_path):
 def specontext_server(model_path):
     """SpeContext with the quick head (_specontext_flags), for its tests and the storm's."""
     yield from early_server("specontext_server", model_path)
+
+
+@pytest.fixture(scope="session")
+def offload_server(model_path):
+    """SpeContext with its layers offloaded past a device KV budget (_offload_flags)."""
+    yield from early_server("offload_server", model_path)

@@ -413,6 +413,17 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
     if given_.get("--spec-dense-layers") and given_.get("--spec-mode", "exact") == "exact":
         assert got == 2 and "--spec-dense-layers is read only with a sparse --spec-mode" in err
         return
+    offload = given_.get("--spec-offload", "off")
+    kv_bytes = given_.get("--spec-offload-kv-bytes", 0)
+    if offload != "off" and given_.get("--spec-mode", "exact") != "specontext":
+        assert got == 2 and "needs --spec-mode specontext" in err
+        return
+    if offload == "auto" and not kv_bytes:
+        assert got == 2 and "needs --spec-offload-kv-bytes" in err
+        return
+    if offload == "off" and kv_bytes:
+        assert got == 2 and "--spec-offload-kv-bytes is read only with" in err
+        return
     if given_.get("--spec-krul-strategy", "conversation") != "conversation" and \
             not given_.get("--spec-krul"):
         assert got == 2 and "--spec-krul-strategy is read only with --spec-krul" in err
@@ -546,3 +557,29 @@ def test_round_mode_reads_the_calibrated_watershed_or_serves_exact_saying_why(tm
     assert "highest at layer 13: 80%" in got.decision
     topk, _ = split_argv(["--spec-rounds"])
     assert with_watershed(topk, argv).rounds.enable
+
+
+# ---- SpeContext's layer offload (issue 45) -------------------------------------------------
+def test_offload_refuses_what_it_cannot_serve_naming_the_flag(capsys):
+    from sgl_spec.launch_server import check_offload
+
+    spec = ["--spec-mode", "specontext"]
+    cfg, _ = split_argv([*spec, "--spec-offload", "auto", "--spec-offload-kv-bytes", "64000000"])
+    assert cfg.decode.offload == "auto" and cfg.decode.offload_kv_bytes == 64_000_000
+    check_offload(cfg, ["--max-total-tokens", "40000"], cpu=True)  # fine
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache is not supported"):
+        check_offload(cfg, ["--enable-hierarchical-cache"], cpu=True)
+    with pytest.raises(ValueError, match="CPU hosts only"):
+        check_offload(cfg, [], cpu=False)
+    check_offload(split_argv(spec)[0], ["--enable-hierarchical-cache"], cpu=False)  # off
+    for bad, needle in (
+            (["--spec-offload", "on"], "choose from 'off', 'auto'"),
+            (["--spec-offload", "auto"], "needs --spec-mode specontext"),
+            ([*spec, "--spec-offload", "auto"], "needs --spec-offload-kv-bytes"),
+            ([*spec, "--spec-offload-kv-bytes", "1000"], "read only with --spec-offload auto"),
+            ([*spec, "--spec-offload", "auto", "--spec-offload-kv-bytes", "-1"],
+             "--spec-offload-kv-bytes")):
+        with pytest.raises(SystemExit) as exc:
+            split_argv(bad)
+        assert exc.value.code == 2
+        assert needle in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sgl_spec.tiers.offload import Shape, host_layers, on_host, thresholds
+from sgl_spec.tiers.offload import Placement, Shape, host_layers, on_host, thresholds
 
 # 4 layers, one KV head of dim 1 in fp16: a token's K and V at a layer are 4 bytes (the
 # paper's 4HD); 2 requests; weights 100 bytes (130 with the runtime's 30%); 1090 bytes:
@@ -108,3 +108,14 @@ def test_every_layer_is_on_exactly_one_tier_across_grow_finish_abort_retraction(
                               tokens) <= memory
         else:
             assert host == set()
+
+
+def test_placement_reserve_comes_out_of_the_budget():
+    """Bytes held whatever the placement (the staging rows) shrink every threshold."""
+    p = Placement(1090, 100, 5, SHAPE)
+    assert p.limits(2) == thresholds(1090, 100, 1, 10, SHAPE)  # 2 x 5 rows per layer
+    assert p.limits(2, reserved=80) == thresholds(1010, 100, 1, 10, SHAPE)
+    assert p.limits(2, reserved=10_000) == [0] * 5  # nothing fits: every layer leaves
+    assert p.update(1, 2, reserved=10_000).offload == [3, 2, 1, 0]
+    with pytest.raises(ValueError, match="reserved"):
+        p.update(1, 2, reserved=-1)

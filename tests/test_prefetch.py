@@ -82,3 +82,30 @@ def test_cuda_prefetchers_copy_the_planned_rows(name):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_auto_is_the_side_stream_on_cuda():
     assert get_prefetcher("auto", "cuda").name == "stream"
+
+
+@pytest.mark.parametrize("name", ["inline", "thread"])
+def test_load_clock_times_the_counted_layers(name):
+    """The clock counts only its layers' loads (with --spec-offload, the host layers');
+    inline hides none of them, the thread's share hidden is a fraction."""
+    loads, pools, stages = _pass("cpu")
+
+    def bufs(layer):
+        return (*stages[layer], *pools[layer])
+
+    pf = get_prefetcher(name, "cpu")
+    pf.clock.layers = frozenset({LAYERS - 1})
+    pf.start(loads, LAYERS, bufs if pf.needs_buffers else None)
+    for layer in range(LAYERS):
+        pf.wait(layer, bufs(layer))
+    t = pf.clock.totals()
+    assert t["passes"] == 1 and t["copy_seconds"] > 0
+    assert 0.0 <= t["hidden_share"] <= 1.0
+    if name == "inline":
+        assert t["hidden_share"] == 0.0 and t["blocked_seconds"] == t["copy_seconds"]
+    pf.clock.layers = frozenset()  # no layer counted: nothing timed
+    before = pf.clock.totals()["copy_seconds"]
+    pf.start(loads, LAYERS, bufs if pf.needs_buffers else None)
+    for layer in range(LAYERS):
+        pf.wait(layer, bufs(layer))
+    assert pf.clock.totals()["copy_seconds"] == before

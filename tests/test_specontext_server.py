@@ -147,3 +147,35 @@ def test_head_keys_survive_hicache_write_back_and_load(server, model_path):
     assert from_host["output_ids"] == on_device["output_ids"], (on_device["text"],
                                                                from_host["text"])
     assert after["sgl_spec:sparse_live_states"] == 0
+
+
+@pytest.mark.server
+def test_offloaded_layers_serve_the_same_greedy_tokens(server, offload_server):
+    """--spec-offload auto under a device KV budget of ~700 tokens: a ~1100-token prompt
+    moves the last layers to the host (Algorithm 2), the device bytes the pool reports stay
+    within the budget, every row reports the layers it reads from the host, and the greedy
+    tokens equal the same server's without offload (the move copies the KV exactly; sparse
+    rows read the host layers through their elastic loads)."""
+    from conftest import OFFLOAD_KV_BYTES
+
+    prompt = chatml("What does this module do?\n" + _doc("json", 5000))
+    flush_cache(server.url)
+    flush_cache(offload_server.url)
+    ref = generate(server.url, prompt, 48, ignore_eos=True)
+    before = sparse_metrics(offload_server.url)
+    out = generate(offload_server.url, prompt, 48, ignore_eos=True)
+    after = sparse_metrics(offload_server.url)
+    assert out["text"] == ref["text"] and out["meta_info"]["completion_tokens"] == 48
+    assert 47 <= delta(after, before, SPARSE) <= 48  # sparse rows read the host layers
+    rep = requests.get(f"{offload_server.url}/sgl_spec/cache", timeout=60).json()["offload"]
+    layers = rep["host_layers"]
+    assert layers and layers == list(range(30 - len(layers), 30)), rep  # the last ones
+    assert rep["budget_bytes"] == OFFLOAD_KV_BYTES and not rep["over_budget"], rep
+    assert sum(rep["device_bytes"].values()) <= OFFLOAD_KV_BYTES
+    row = 2 * 3 * 64 * 2  # K and V, 3 KV heads of 64, bfloat16
+    assert rep["host_bytes"] == rep["used_slots"] * len(layers) * row
+    assert rep["device_bytes"]["layers"] == rep["used_slots"] * (31 - len(layers)) * row
+    assert rep["host_loads"]["passes"] >= 47 and rep["moves"]["reloaded"] == 0
+    metrics = requests.get(f"{offload_server.url}/metrics", timeout=60).text
+    assert f'sgl_spec:offload{{figure="host_layers"}} {float(len(layers))}' in metrics
+    assert after["sgl_spec:sparse_live_states"] == 0

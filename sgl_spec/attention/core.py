@@ -53,6 +53,9 @@ class AttentionCore:
         self.prefill = prefill
         self.head = head  # sgl_spec.head.runtime.HeadRuntime or None
         self.observer = observer
+        # SpeContext's layer offload (sgl_spec.integration.tiers.offload.PoolOffload),
+        # set by the sglang backend with --spec-offload auto
+        self.offload = None
         # what the radix cache shares with this path (sgl_spec.requests)
         self.hub = hub if hub is not None else (prefill.hub if prefill else RequestHub())
 

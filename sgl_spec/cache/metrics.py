@@ -18,7 +18,8 @@ RULES = ("dead_reasoning", "inactive_conversation", "lru")
 
 class CacheMetrics:
     def __init__(self, interval: float = 5.0, krul: bool = False,
-                 sparse_from: int | None = None, rounds: bool = False):
+                 sparse_from: int | None = None, rounds: bool = False,
+                 offload: bool = False):
         from prometheus_client import Counter, Gauge
 
         self.interval = interval
@@ -99,6 +100,19 @@ class CacheMetrics:
                 multiprocess_mode="mostrecent",
             )
 
+        self.offload = None
+        if offload:
+            self.offload = Gauge(
+                name="sgl_spec:offload",
+                documentation="--spec-offload auto (SpeContext's adaptive memory "
+                "management): layers on the host, device KV bytes of the resident layers' "
+                "rows in use and of the staging rows, host bytes of the offloaded layers' "
+                "rows in use, the budget, and the share of the host layers' elastic loads "
+                "hidden behind compute (-1 until measured).",
+                labelnames=("figure",),
+                multiprocess_mode="mostrecent",
+            )
+
     TIER_FIGURES = ("host_bytes", "host_blocks", "upper_slots_used", "working_sets",
                     "selections", "tokens_seen", "tokens_kept", "dropped_rounds")
 
@@ -111,6 +125,19 @@ class CacheMetrics:
             self.tiers.labels(figure=f"device_bytes_{tier}").set(n)
         for figure in self.TIER_FIGURES:
             self.tiers.labels(figure=figure).set(totals.get(figure, 0) or 0)
+
+    def update_offload(self, report: dict) -> None:
+        """From ``PoolOffload.report`` (``GET /sgl_spec/cache`` -> offload)."""
+        if self.offload is None:
+            return
+        hidden = (report["host_loads"] or {}).get("hidden_share")
+        for figure, n in (("host_layers", len(report["host_layers"])),
+                          ("device_bytes_layers", report["device_bytes"]["layers"]),
+                          ("device_bytes_staging", report["device_bytes"]["staging"]),
+                          ("host_bytes", report["host_bytes"]),
+                          ("budget_bytes", report["budget_bytes"]),
+                          ("host_loads_hidden_share", -1 if hidden is None else hidden)):
+            self.offload.labels(figure=figure).set(n)
 
     def due(self, force: bool = False) -> bool:
         """Whether a refresh is due (and, if so, that one is happening now)."""

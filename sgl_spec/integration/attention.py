@@ -39,6 +39,8 @@ class SpecAttnBackend(TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch):
         super().init_forward_metadata(forward_batch)
+        if self.core.offload is not None:  # Algorithm 2, before the layers read the pool
+            self.core.offload.update(forward_batch.batch_size)
         self.forward_metadata = self.core.plan(
             batch_view(forward_batch, self.req_to_token_pool.req_to_token))
 
@@ -139,6 +141,14 @@ def create_backend(runner):
                       enable_metrics=runner.server_args.enable_metrics, head=head,
                       pool_layers=pool_layers, impl=CUDA_DECODE_IMPL if cuda else None,
                       tiers=tiers)
+    if cfg.decode.offload == "auto":
+        from .tiers.offload import PoolOffload
+
+        core.offload = PoolOffload(runner.token_to_kv_pool, runner.token_to_kv_pool_allocator,
+                                   core.decoder.policy, core.decoder.prefetcher,
+                                   runner.model_config.num_hidden_layers,
+                                   cfg.decode.offload_kv_bytes)
+        core.hub.add_rows_source(lambda: core.offload.annotate(core.decoder.rows()))
     return SpecAttnBackend(runner, core)
 
 

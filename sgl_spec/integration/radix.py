@@ -78,6 +78,7 @@ class CoreLinks(NamedTuple):
     observer: object | None = None  # Krul's estimator (attention.observe.KrulObserver)
     runner: object | None = None  # the model runner, whose layers Krul's pre-pass runs
     rounds: object | None = None  # round mode (rounds.runtime.RoundRuntime)
+    offload: object | None = None  # --spec-offload (integration.tiers.offload.PoolOffload)
 
     @classmethod
     def of(cls, runner) -> CoreLinks:
@@ -86,7 +87,8 @@ class CoreLinks(NamedTuple):
         core = getattr(getattr(runner, "attn_backend", None), "core", None)
         if core is None:
             return cls(RequestHub())
-        return cls(core.hub, core.sparse_kv_from, core.observer, runner, core.rounds)
+        return cls(core.hub, core.sparse_kv_from, core.observer, runner, core.rounds,
+                   core.offload)
 
 
 class SpecRadixCache(UnifiedRadixCache):
@@ -114,7 +116,8 @@ class SpecRadixCache(UnifiedRadixCache):
         d = cfg.decode
         self.spec_metrics = (CacheMetrics(krul=cfg.krul.enable, sparse_from=None
                                           if d.mode == "exact" else d.min_context,
-                                          rounds=self.links.rounds is not None)
+                                          rounds=self.links.rounds is not None,
+                                          offload=self.links.offload is not None)
                              if params.enable_metrics else None)
 
     def insert(self, params):
@@ -209,6 +212,8 @@ class SpecRadixCache(UnifiedRadixCache):
     def _update_metrics(self) -> None:
         self.spec_metrics.update(totals(self.segments(), self.turn_format), self._freed(),
                                  self.hub.live(), self._restore(), self.hub.rows())
+        if self.links.offload is not None:
+            self.spec_metrics.update_offload(self.links.offload.report())
 
     def _restore(self) -> dict | None:
         return self.restore_clock.totals() if self.cache_controller is not None else None
@@ -226,6 +231,10 @@ class SpecRadixCache(UnifiedRadixCache):
                          "rows": self.hub.rows()}
         out["restore"] = self._restore()
         out["pool"] = self._pool()
+        if self.links.offload is not None:
+            out["offload"] = self.links.offload.report()
+            if self.spec_metrics is not None:
+                self.spec_metrics.update_offload(out["offload"])
         if self.invariant_log is not None:
             out["invariants"] = self.invariant_log.as_dict()
         if self.spec_metrics is not None and self.spec_metrics.due(force=True):

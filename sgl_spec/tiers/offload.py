@@ -5,9 +5,9 @@ generation keeps on the device as it grows.
 one more layer (the last first) must leave the device for R requests' KV to fit in the
 memory left after the weights. ``on_host`` is Algorithm 2's inner loop: the layers on the
 host at length S. ``Placement`` runs Algorithm 2 on a server's pool: its tokens in use in
-place of R x S, layers leaving as they grow and coming back when the pool drains. Pure
-arithmetic, in bytes; what moves the KV is the tiered pool's (issue 45, not yet wired:
-docs/design/offload.md).
+place of R x S, layers leaving as they grow and coming back when the pool drains. In bytes;
+``to_host`` / ``to_device`` are the moves (one copy of a layer's buffer each); the pool
+they run on is sglang's (``sgl_spec.integration.tiers.offload``, docs/design/offload.md).
 
 Equation 7 of the paper, with this project's names: the device holds the weights (x1.3
 for the runtime's activations), the full KV of the ``L - i`` layers still on it plus the
@@ -26,6 +26,8 @@ The paper's Algorithm 1 leaves the element and K/V factor out of the buffer term
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 RUNTIME_FACTOR = 1.3  # the paper's runtime memory: 30% of the weights
 
@@ -117,22 +119,41 @@ class Placement:
     def device(self) -> list[int]:
         return list(range(self.shape.layers - self.offloaded))
 
-    def limits(self, running: int) -> list[int]:
-        """Algorithm 1 over the pool: S_i in tokens in use, ``running`` requests."""
-        return thresholds(self.memory, self.weights, 1, self.budget * max(1, running),
-                          self.shape)
+    def limits(self, running: int, reserved: int = 0) -> list[int]:
+        """Algorithm 1 over the pool: S_i in tokens in use, ``running`` requests, with
+        ``reserved`` device bytes taken first (buffers that do not depend on the placement:
+        sgl_spec's staging rows). All zeros where nothing fits beside the reserve."""
+        try:
+            return thresholds(self.memory - reserved, self.weights, 1,
+                              self.budget * max(1, running), self.shape)
+        except ValueError:
+            return [0] * (self.shape.layers + 1)
 
-    def update(self, tokens: int, running: int) -> Move:
+    def update(self, tokens: int, running: int, reserved: int = 0) -> Move:
         """After a grow, finish, abort or retraction: the pool holds ``tokens`` tokens of
-        ``running`` requests."""
-        if tokens < 0 or running < 0:
-            raise ValueError(f"tokens and running must be >= 0; got {tokens}, {running}")
+        ``running`` requests (``reserved``: as ``limits``)."""
+        if tokens < 0 or running < 0 or reserved < 0:
+            raise ValueError(f"tokens, running and reserved must be >= 0; got {tokens}, "
+                             f"{running}, {reserved}")
         if tokens == 0:
             back, self.offloaded = sorted(self.host()), 0
             return Move([], back)
-        want = on_host(tokens, self.limits(running))
+        want = on_host(tokens, self.limits(running, reserved))
         if want <= self.offloaded:
             return Move([], [])
         before = self.offloaded
         self.offloaded = want
         return Move(self.host()[before:], [])
+
+
+def to_host(buf: torch.Tensor) -> torch.Tensor:
+    """A layer's pool buffer copied to the host tier (pinned where it comes from a GPU, so
+    that loads from it can be asynchronous); one copy."""
+    out = torch.empty(buf.shape, dtype=buf.dtype, device="cpu", pin_memory=buf.is_cuda)
+    out.copy_(buf)
+    return out
+
+
+def to_device(buf: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host buffer copied back to the device tier; one copy (a new tensor on CPU too)."""
+    return buf.to(device, copy=True)
