@@ -41,7 +41,7 @@ from tqdm import tqdm
 from sgl_spec import corpus
 from sgl_spec.attention import step_cost
 from sgl_spec.bench import agreement, cli, configset, round_play, timing
-from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
+from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 
 ROWS = ("stock", "exact", "specontext", "specontext-offload")
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -240,8 +240,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the specontext rows' --spec-budget (their staging rows, B + sink + "
                     "window per request and layer, come out of the offload row's budget)")
     ap.add_argument("--agreement-tokens", type=int, default=256, metavar="T",
-                    help="after the timed phase, each specontext row answers every prompt "
-                    "alone for T tokens: the greedy agreement of the offload row with "
+                    help="after the timed phase, each specontext row flushes its cache and "
+                    "answers every prompt alone for T tokens (the offload row with its layers "
+                    "still on the host): the greedy agreement of the offload row with "
                     "specontext at the same batch (0: skip)")
     ap.add_argument("--prefetch", default="thread", choices=("auto", "inline", "thread"),
                     help="the specontext rows' --spec-prefetch (default thread: the host "
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                                       *extra], log_path=log) as server:
             out = play(server.url, row, prompts, args.gen_tokens, bar)
             if row.startswith("specontext") and args.agreement_tokens:
+                flush_cache(server.url)  # every prompt's prefill cold on both rows
                 out["alone"] = [round_play.ask(server.url, p, args.agreement_tokens,
                                                ignore_eos=True).text for p in prompts]
             return out
