@@ -39,6 +39,9 @@ def test_pool_offload_moves_the_last_layers_and_keeps_their_kv():
     slots = alloc.alloc(30)
     assert off.update(1).offload == [3, 2]
     assert off.host_layers() == [2, 3] and pf.clock.layers == {2, 3}
+    # each request's decode row names the layers it reads from the host
+    assert off.annotate({"r1": {"path": "sparse"}}) == {
+        "r1": {"path": "sparse", "host_layers": [2, 3]}}
     assert [id(k) == o for k, o in zip(pool.k_buffer, objs)] == [True, True, False, False,
                                                                   True]
     for j in range(5):
