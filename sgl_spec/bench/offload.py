@@ -41,7 +41,9 @@ from tqdm import tqdm
 from sgl_spec import corpus
 from sgl_spec.attention import step_cost
 from sgl_spec.bench import agreement, cli, configset, round_play, timing
+from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
+from sgl_spec.launch_server import _value
 
 ROWS = ("stock", "exact", "specontext", "specontext-offload")
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -63,16 +65,6 @@ def row_flags(row: str, budget_bytes: int, pool_tokens: int, row_bytes: int, lay
                       str(budget_bytes // ((layers + 1) * row_bytes))]
     return SPEC, [*spec, "--spec-offload", "auto", "--spec-offload-kv-bytes",
                   str(budget_bytes), "--max-total-tokens", str(pool_tokens)]
-
-
-def _flag(flags: list[str], name: str) -> str | None:
-    """The value of ``name`` in ``flags`` (``--x v`` or ``--x=v``), the last one given."""
-    found = None
-    for i, a in enumerate(flags):
-        key, eq, val = a.partition("=")
-        if key == name:
-            found = val if eq else (flags[i + 1] if i + 1 < len(flags) else None)
-    return found
 
 
 class OffloadWatch:
@@ -176,14 +168,6 @@ def summarize(played: dict, tok, budget_bytes: int) -> dict:
     return out
 
 
-def _fmt(x, spec=".2f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (list, tuple)) and len(x) == 3:
-        return f"{x[1]:{spec}} ({x[0]:{spec}}-{x[2]:{spec}})"
-    return f"{x:{spec}}"
-
-
 def _within(r: dict) -> str:
     if "over_budget" not in r:
         return "-"
@@ -208,9 +192,9 @@ def markdown(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for row, r in s.items():
         lines.append(f"| {row} | {r['decoding_at_once']} / {c['requests']} | {r['retracted']} | "
-                     f"{_fmt(r['output_tok_s'])} | {_fmt(r.get('tok_s_vs_exact'))} | "
-                     f"{_fmt(r.get('peak_device_bytes'), ',.0f')} | "
-                     f"{_within(r)} | {r.get('host_layers', '-')} | {_fmt(r.get('hidden_share'))} |")
+                     f"{cell(r['output_tok_s'])} | {cell(r.get('tok_s_vs_exact'))} | "
+                     f"{cell(r.get('peak_device_bytes'), ',.0f')} | "
+                     f"{_within(r)} | {r.get('host_layers', '-')} | {cell(r.get('hidden_share'))} |")
     ag = s.get("specontext-offload", {}).get("agreement_with_specontext")
     if ag:
         lines += ["", (f"Greedy agreement of specontext-offload with specontext "
@@ -265,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_heads = mc.get("num_key_value_heads", mc["num_attention_heads"])
     head_dim = mc.get("head_dim", mc["hidden_size"] // mc["num_attention_heads"])
     extra = shlex.split(args.server_flags)
-    kv = step_cost.kv_dtype(_flag(extra, "--dtype"), _flag(extra, "--kv-cache-dtype"), mc)
+    kv = step_cost.kv_dtype(_value(extra, "--dtype"), _value(extra, "--kv-cache-dtype"), mc)
     row_bytes = 2 * kv_heads * head_dim * ELEMENT_BYTES[kv]  # K and V at one layer
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [[{"role": "user", "content": corpus.document(

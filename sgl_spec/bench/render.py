@@ -32,6 +32,18 @@ def spread_cell(s: Spread | None, digits: int = 2) -> str:
     return MISSING if s is None else " / ".join(num(v, digits=digits) for v in s)
 
 
+def cell(x, spec: str = ".2f") -> str:
+    """A figure, a ``Spread`` as ``median (min-max)``, or a dict's values joined by `` / ``
+    (``spec`` "d": signed differences); ``-`` for None."""
+    if x is None:
+        return "-"
+    if isinstance(x, (list, tuple)) and len(x) == 3:
+        return f"{x[1]:{spec}} ({x[0]:{spec}}-{x[2]:{spec}})"
+    if isinstance(x, dict):
+        return " / ".join(cell(v, "+.1f" if spec == "d" else ".1f") for v in x.values())
+    return f"{x:{spec}}"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """A markdown table's lines: header, separator, one line per row."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),

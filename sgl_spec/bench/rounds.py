@@ -53,6 +53,7 @@ import requests
 from tqdm import tqdm
 
 from sgl_spec.bench import cli, configset, round_play, timing
+from sgl_spec.bench.render import cell
 from sgl_spec.bench.scoring import exact_match
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 from sgl_spec.rounds.conversations import conversation
@@ -301,16 +302,6 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
     return out
 
 
-def _fmt(x, spec=".2f") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, (list, tuple)) and len(x) == 3:
-        return f"{x[1]:{spec}} ({x[0]:{spec}}-{x[2]:{spec}})"
-    if isinstance(x, dict):
-        return " / ".join(f"{_fmt(v, '+.1f' if spec == 'd' else '.1f')}" for v in x.values())
-    return f"{x:{spec}}"
-
-
 def markdown(res: dict) -> str:
     w, s = res["workload"], res["summary"]
     lines = [f"# Round Attention: {w}", "",
@@ -328,11 +319,11 @@ def markdown(res: dict) -> str:
         for row, r in s.items():
             lines.append(
                 f"| {row} | {r['peak_running']} / {r['conversations']} | {r['retracted']} | "
-                f"{r['history_cached']} | {_fmt(r['output_tok_s_rounds'])} | "
-                f"{_fmt(r.get('tok_s_vs_exact'))} | "
-                f"{_fmt(r['bytes_per_conversation'], ',.0f')} | "
-                f"{_fmt(r.get('bytes_vs_exact'), '.3f')} | {_fmt(r.get('eq2_share'), '.3f')} | "
-                f"{_fmt(r.get('probe_kept_share'), '.3f')} |")
+                f"{r['history_cached']} | {cell(r['output_tok_s_rounds'])} | "
+                f"{cell(r.get('tok_s_vs_exact'))} | "
+                f"{cell(r['bytes_per_conversation'], ',.0f')} | "
+                f"{cell(r.get('bytes_vs_exact'), '.3f')} | {cell(r.get('eq2_share'), '.3f')} | "
+                f"{cell(r.get('probe_kept_share'), '.3f')} |")
     elif w == "speed":
         c = res["config"]
         lines += [f"{c.get('conversations', 1)} conversation(s) of >= {c['history_tokens']} "
@@ -342,16 +333,16 @@ def markdown(res: dict) -> str:
                   "decode vs exact | output vs exact | kept k/T |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for row, r in s.items():
-            lines.append(f"| {row} | {r.get('decoding_at_once', 1)} | {_fmt(r['ttft_s'])} | "
-                         f"{_fmt(r['decode_tok_s'])} | {_fmt(r.get('output_tok_s'))} | "
-                         f"{_fmt(r.get('ttft_vs_exact'))} | {_fmt(r.get('decode_vs_exact'))} | "
-                         f"{_fmt(r.get('output_vs_exact'))} | {_fmt(r['kept_share'], '.3f')} |")
+            lines.append(f"| {row} | {r.get('decoding_at_once', 1)} | {cell(r['ttft_s'])} | "
+                         f"{cell(r['decode_tok_s'])} | {cell(r.get('output_tok_s'))} | "
+                         f"{cell(r.get('ttft_vs_exact'))} | {cell(r.get('decode_vs_exact'))} | "
+                         f"{cell(r.get('output_vs_exact'))} | {cell(r['kept_share'], '.3f')} |")
     else:
         lines += ["| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
                   "|---|---|---|---|---|"]
         for row, r in s.items():
-            lines.append(f"| {row} | {_fmt(r['em'])} | {_fmt(r.get('em_vs_exact'), 'd')} | "
-                         f"{_fmt(r['greedy_agreement'])} | {_fmt(r['kept_share'], '.3f')} |")
+            lines.append(f"| {row} | {cell(r['em'])} | {cell(r.get('em_vs_exact'), 'd')} | "
+                         f"{cell(r['greedy_agreement'])} | {cell(r['kept_share'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
