@@ -97,6 +97,10 @@ def test_a_sparse_mode_without_a_profile_measures_once_and_decodes_where_it_pays
 
     monkeypatch.setenv("SGLSPEC_CACHE_DIR", server.env["SGLSPEC_CACHE_DIR"])
     monkeypatch.setattr(step_cost, "profile", lambda *a, **k: pytest.fail("measured again"))
+    from sgl_spec import cpu as host_cpu
+
     cfg, _ = split_argv(FLAGS)
-    again = with_decode_profile(cfg, ["--model-path", model_path, "--dtype", "float32"])
+    dtype = host_cpu.default_dtype()  # the launcher's: float32 only without native bfloat16
+    again = with_decode_profile(cfg, ["--model-path", model_path,
+                                      *(["--dtype", dtype] if dtype else [])])
     assert again.decode.decision == state["decision"]
