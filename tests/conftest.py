@@ -30,6 +30,7 @@ class _BlockSglang(importlib.abc.MetaPathFinder):
 if os.environ.get("SGLSPEC_TEST_BLOCK_SGLANG") == "1":
     sys.meta_path.insert(0, _BlockSglang())
 
+from sgl_spec import cpu as host_cpu
 from sgl_spec.bench import configset
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess
 from sgl_spec.head.train import TrainConfig
@@ -183,10 +184,12 @@ def _specontext_flags(model_path: str) -> list[str]:
             "--enable-hierarchical-cache", "--hicache-ratio", "2"]
 
 
-# --spec-offload auto's device KV budget for the offload server (bfloat16): the staging
-# rows of two requests (SPECONTEXT_BUDGET; 12,165,120 bytes) and ~600 tokens at every
-# layer, so a ~1000-token prompt moves about a third of the layers to the host
-OFFLOAD_KV_BYTES = 26_450_000
+# --spec-offload auto's device KV budget for the offload server: in bfloat16 the staging
+# rows (SPECONTEXT_BUDGET) and ~600 tokens at every layer, so a ~1000-token prompt moves
+# about a third of the layers to the host; twice the bytes where the CPU serves float32
+# (sgl_spec.cpu.default_dtype), which doubles every row, so the same layers move.
+OFFLOAD_ELEMENT_BYTES = 4 if host_cpu.default_dtype() == "float32" else 2
+OFFLOAD_KV_BYTES = 13_225_000 * OFFLOAD_ELEMENT_BYTES
 
 
 def _offload_flags(model_path: str) -> list[str]:

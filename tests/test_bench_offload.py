@@ -8,7 +8,8 @@ from sgl_spec.bench import offload
 
 def test_every_row_gets_the_same_device_kv_bytes():
     row, layers, budget = 768, 30, 4 * 640 * 30 * 768
-    tokens = {r: offload.row_flags(r, budget, 12_000, row, layers, ["--x"])[1] for r in
+    sparse = ["--x", "--spec-prefetch", "thread"]
+    tokens = {r: offload.row_flags(r, budget, 12_000, row, layers, sparse)[1] for r in
               offload.ROWS}
     pool = {r: int(f[f.index("--max-total-tokens") + 1]) for r, f in tokens.items()}
     assert pool["stock"] == pool["exact"] == 2560  # 4 x 640 tokens at every layer
@@ -16,6 +17,11 @@ def test_every_row_gets_the_same_device_kv_bytes():
     off = tokens["specontext-offload"]
     assert off[off.index("--spec-offload-kv-bytes") + 1] == str(budget)
     assert pool["specontext-offload"] == 12_000 and "--x" in off
+    inline = tokens["specontext-offload-inline"]
+    assert inline[inline.index("--spec-prefetch") + 1] == "inline" and inline.count(
+        "--spec-prefetch") == 1 and sparse[2] == "thread"  # the caller's list untouched
+    assert [f for f in inline if f not in ("inline", "thread")] == [
+        f for f in off if f not in ("inline", "thread")]
 
 
 def _run(tok_s, texts, offload_report=None, alone=None):

@@ -156,7 +156,7 @@ def test_offloaded_layers_serve_the_same_greedy_tokens(server, offload_server):
     within the budget, every row reports the layers it reads from the host, and the greedy
     tokens equal the same server's without offload (the move copies the KV exactly; sparse
     rows read the host layers through their elastic loads)."""
-    from conftest import OFFLOAD_KV_BYTES
+    from conftest import OFFLOAD_ELEMENT_BYTES, OFFLOAD_KV_BYTES
 
     prompt = chatml("What does this module do?\n" + _doc("json", 5000))
     flush_cache(server.url)
@@ -172,7 +172,7 @@ def test_offloaded_layers_serve_the_same_greedy_tokens(server, offload_server):
     assert layers and layers == list(range(30 - len(layers), 30)), rep  # the last ones
     assert rep["budget_bytes"] == OFFLOAD_KV_BYTES and not rep["over_budget"], rep
     assert sum(rep["device_bytes"].values()) <= OFFLOAD_KV_BYTES
-    row = 2 * 3 * 64 * 2  # K and V, 3 KV heads of 64, bfloat16
+    row = 2 * 3 * 64 * OFFLOAD_ELEMENT_BYTES  # K and V, 3 KV heads of 64, the served dtype
     assert rep["host_bytes"] == rep["used_slots"] * len(layers) * row
     assert rep["device_bytes"]["layers"] == rep["used_slots"] * (31 - len(layers)) * row
     assert rep["host_loads"]["passes"] >= 47 and rep["moves"]["reloaded"] == 0

@@ -13,7 +13,9 @@ while they generate to 8k). Rows (one server each, the same model and dtype):
   layer, so the same bytes are fewer tokens (its staging rows are outside the budget);
 * ``specontext-offload``: ``--spec-offload auto --spec-offload-kv-bytes`` the budget (the
   resident layers' rows in use, the head's layer and the staging rows), and a pool whose
-  slots hold every request's whole generation on the host tier.
+  slots hold every request's whole generation on the host tier;
+* ``specontext-offload-inline``: the same with ``--spec-prefetch inline`` (each layer
+  copies its loads right before its attention): what the worker thread's overlap is worth.
 
 Measured per row: output tokens/s (all tokens over the wall time), the most requests
 decoding at once (the client's clock), sglang's retractions, and for the offload row the
@@ -45,7 +47,8 @@ from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 from sgl_spec.launch_server import _value
 
-ROWS = ("stock", "exact", "specontext", "specontext-offload")
+ROWS = ("stock", "exact", "specontext", "specontext-offload",
+        "specontext-offload-inline")
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 INSTRUCTION = ("Explain the document above in as much detail as you can, section by "
                "section, then list every name, number and claim it makes.")
@@ -59,10 +62,13 @@ def row_flags(row: str, budget_bytes: int, pool_tokens: int, row_bytes: int, lay
                        "--max-total-tokens", str(budget_bytes // (layers * row_bytes))]
     if row == "exact":
         return SPEC, ["--max-total-tokens", str(budget_bytes // (layers * row_bytes))]
-    spec = ["--spec-mode", "specontext", *sparse_flags]
+    spec = ["--spec-mode", "specontext", *sparse_flags]  # sparse_flags name --spec-prefetch
     if row == "specontext":  # + the head's layer: fewer tokens in the same bytes
         return SPEC, [*spec, "--max-total-tokens",
                       str(budget_bytes // ((layers + 1) * row_bytes))]
+    if row == "specontext-offload-inline":
+        i = spec.index("--spec-prefetch")
+        spec[i + 1] = "inline"
     return SPEC, [*spec, "--spec-offload", "auto", "--spec-offload-kv-bytes",
                   str(budget_bytes), "--max-total-tokens", str(pool_tokens)]
 
@@ -110,7 +116,7 @@ def play(url: str, row: str, prompts: list[list[dict]], gen: int, bar) -> dict:
         bar.update()
         return r
 
-    offload = row == "specontext-offload"
+    offload = row.startswith("specontext-offload")
     with round_play.Watch(url) as watch, OffloadWatch(url) if offload else _Null() as ow, \
             ThreadPoolExecutor(len(prompts)) as pool:
         t0 = timing.clock()
