@@ -212,8 +212,17 @@ def test_presets():
     default = DatasetConfig.preset("default")
     assert default.tokens_per_turn == (500, 1000, 1750) and default.turns == (2, 4)
     assert QUICK.conversations == 3 and QUICK.tokens_per_turn == (400,)
-    with pytest.raises(ValueError, match=r"\['default', 'long-context', 'long-context-quick', 'long-turns', 'quick'\]"):
+    with pytest.raises(ValueError, match=r"\['default', 'late-needles', 'long-context', "
+                       r"'long-context-quick', 'long-turns', 'quick'\]"):
         DatasetConfig.preset("huge")
+
+
+def test_late_needles_are_long_answers_past_the_sparse_threshold(tok):
+    """Every question in the long style over 3-4k tokens of history (above the default
+    --spec-min-context 2048, inside the default model's reach), 4 per position."""
+    s = dataset.stats(dataset.generate(DatasetConfig.preset("late-needles"), tok))
+    assert s["styles"] == {"long": 12} and s["positions"] == {"begin": 4, "middle": 4, "end": 4}
+    assert 2048 < s["history_tokens"]["min"] and s["history_tokens"]["max"] < 4096
 
 
 def test_quick_stats(tok):

@@ -156,7 +156,11 @@ class DatasetConfig:
         threshold), 18 questions per position; ``long-context`` (a 32k-window model such
         as ``prepare_model --model qwen2.5-coder-0.5b``): 27 two-turn conversations of
         4200- or 8000-token messages, so 4k-16k tokens precede each question, 18 per
-        position, half in the long style; ``long-context-quick``: 3 of them."""
+        position, half in the long style; ``long-context-quick``: 3 of them;
+        ``late-needles``: 12 one-turn conversations of 3000- or 3600-token messages for the
+        default model, one fact each, every question in the long style (the model restates
+        the fact's long subject first, so the value comes ~20-30 tokens into the answer,
+        after LoopServe's first selection at step 16), 4 per position."""
         long_context = cls(conversations=27, turns=(2, 2), tokens_per_turn=(4200, 8000),
                            facts_per_turn=1, max_tokens=64, long_answer_share=0.5,
                            context_len=32768)
@@ -167,6 +171,8 @@ class DatasetConfig:
                          facts_per_turn=2),
             "long-context": long_context,
             "long-context-quick": replace(long_context, conversations=3),
+            "late-needles": cls(conversations=12, turns=(1, 1), tokens_per_turn=(3000, 3600),
+                                facts_per_turn=1, max_tokens=64, long_answer_share=1.0),
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; valid: {sorted(presets)}")
