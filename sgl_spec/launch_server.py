@@ -407,6 +407,18 @@ def _start_up_logging(argv: list[str]) -> None:
     log.setLevel(level if level in logging.getLevelNamesMapping() else "INFO")
 
 
+def resolve(cfg: spec_config.SpecConfig, argv: list[str], cpu: bool) -> spec_config.SpecConfig:
+    """Checks against sglang's flags, then what the flags leave to be prepared, in the
+    order each needs the last: the retrieval head before the decode profile that runs it.
+    ValueError names what is wrong."""
+    check_krul_profile(cfg, argv)
+    check_rounds(cfg, argv, cpu)
+    check_offload(cfg, argv, cpu)
+    cfg = with_head(cfg, argv)
+    cfg = with_decode_profile(cfg, argv, cpu=cpu)
+    return with_watershed(cfg, argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     _start_up_logging(argv)
@@ -430,14 +442,10 @@ def main(argv: list[str] | None = None) -> None:
 
         set_default_bind(argv)  # else --dp-size 2 dies on a one-node CPU
     try:
-        check_krul_profile(cfg, argv)
-        check_rounds(cfg, argv, cpu)
-        check_offload(cfg, argv, cpu)
-        cfg = with_decode_profile(cfg, argv, cpu=cpu)
-        cfg = with_watershed(cfg, argv)
+        cfg = resolve(cfg, argv, cpu)
     except ValueError as exc:
         _spec_parser().error(str(exc))
-    cfg = with_krul(with_head(cfg, argv), argv)
+    cfg = with_krul(cfg, argv)
     os.environ[envs.SGLSPEC_CONFIG] = cfg.to_json()
     if cfg.check_invariants:  # sglang's busy check, which sgl_spec's joins
         os.environ.setdefault(envs.SGLANG_STRICT_BUSY_CHECK, "1")

@@ -583,3 +583,30 @@ def test_offload_refuses_what_it_cannot_serve_naming_the_flag(capsys):
             split_argv(bad)
         assert exc.value.code == 2
         assert needle in capsys.readouterr().err
+
+
+def test_the_head_is_prepared_before_the_decode_profile_that_runs_it(tmp_path, monkeypatch):
+    """--spec-mode specontext without --spec-draft-path on a host with no decode profile
+    yet: the profile is measured with the head prepared for the model, not an empty path
+    (which failed the start with "--spec-draft-path '' is not a directory")."""
+    import json
+
+    from sgl_spec import launch_server, train_head
+    from sgl_spec.attention import step_cost
+
+    model, head = tmp_path / "model", tmp_path / "head"
+    model.mkdir(), head.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    monkeypatch.setattr(train_head, "prepare", lambda path, *a, **k: str(head))
+    seen = []
+
+    def prepare_profile(path, d, kv, device="cpu", cache_dir=None):
+        seen.append(d.draft_path)
+        raise ValueError("measured")
+
+    monkeypatch.setattr(step_cost, "prepare_profile", prepare_profile)
+    monkeypatch.setattr(step_cost, "profile_path", lambda *a, **k: str(tmp_path / "none.json"))
+    cfg, rest = split_argv(["--spec-mode", "specontext", "--model-path", str(model)])
+    with pytest.raises(ValueError, match="measured"):
+        launch_server.resolve(cfg, rest, cpu=True)
+    assert seen == [str(head)]
