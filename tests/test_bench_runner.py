@@ -526,3 +526,7 @@ def test_untracked_paths_are_listed_not_counted_as_dirty(monkeypatch):
                                 "untracked": ["docs/results/data/run/"]}
     answers[("status", "--porcelain", "--untracked-files=no")] = " M sgl_spec/config.py"
     assert provenance.git()["dirty"] is True
+
+
+def test_offload_report_is_none_without_a_server_or_offload():
+    assert runner.offload_report("http://127.0.0.1:9") is None  # nothing listens

@@ -217,6 +217,15 @@ def _play_workloads(url: str, model: str, work: Workloads, progress: Progress, l
                        "longgen": sparse_counters.delta(after_lg, after_chat)}}
 
 
+def offload_report(url: str) -> dict | None:
+    """The server's ``GET /sgl_spec/cache`` -> ``offload`` (``--spec-offload auto``: the
+    layers on the host, the moves, the bytes), or None (stock, offload off)."""
+    try:
+        return requests.get(url + "/sgl_spec/cache", timeout=60).json().get("offload")
+    except (requests.RequestException, ValueError, AttributeError):
+        return None
+
+
 def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
                progress: Progress, pinned: ConfigRun | None = None,
                journal: Journal | None = None) -> ConfigRun:
@@ -238,6 +247,7 @@ def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
         chat_client.warmup(chat_client.make_client(server.url), model)
         played = _play_workloads(server.url, model, work, progress, cfg.name, out_dir,
                                  cfg.slug, pinned, journal)
+        offload = offload_report(server.url)
     except Exception as exc:
         server.stop()
         raise ConfigRunError(f"configuration {cfg.name!r} failed while playing: {exc!r}; "
@@ -246,6 +256,8 @@ def run_config(cfg: ServerConfig, model: str, work: Workloads, out_dir: str,
         server.stop()
     info = {"module": cfg.module, "args": args, "start_s": start_s,
             "peak_rss_bytes": server.peak_rss_bytes, "log": log_path}
+    if offload is not None:  # --spec-offload auto: where the layers were at the end
+        info["offload"] = offload
     return ConfigRun(cfg.name, asdict(cfg), info, **played)
 
 
