@@ -159,8 +159,9 @@ class DatasetConfig:
         position, half in the long style; ``long-context-quick``: 3 of them;
         ``late-needles``: 12 one-turn conversations of 3000- or 3600-token messages for the
         default model, one fact each, every question in the long style (the model restates
-        the fact's long subject first, so the value comes ~20-30 tokens into the answer,
-        after LoopServe's first selection at step 16), 4 per position."""
+        the fact's long subject first, so the value comes after the restated subject,
+        where LoopServe's first selection at step 16 may already have been made), 4 per
+        position."""
         long_context = cls(conversations=27, turns=(2, 2), tokens_per_turn=(4200, 8000),
                            facts_per_turn=1, max_tokens=64, long_answer_share=0.5,
                            context_len=32768)
