@@ -3,11 +3,14 @@
 # (no package index there): the Triton kernels, the CUDA-stream prefetch and the tiered
 # pool's round blocks against their torch references (pytest, marker gpu and the triton tests), then the kernel
 # micro-benchmarks on the GPU, then Krul's restore calibration (recompute vs load, per
-# tier) for the models whose config.json is under $MODELS (default .gpu/models/<name>/:
-# the weights are not needed, the time of a forward does not depend on them), and
-# SpeContext's decode step as a GPU server runs it against the same server's exact step
-# (python -m sgl_spec.calibrate decode --device cuda) for those of them with a head
-# under $HEADS (default .gpu/heads/<name>/, EAGLE-3 layout). Writes
+# tier, and a restore at a forced recompute share of $PIPE_SHARE, serial against
+# pipelined) for the models whose config.json is under $MODELS (default
+# .gpu/models/<name>/: the weights are not needed, the time of a forward does not depend
+# on them), and SpeContext's decode step as a GPU server runs it against the same
+# server's exact step, and with its last $SC_OFFLOAD layers in pinned host memory as
+# --spec-offload places them (python -m sgl_spec.calibrate decode --device cuda
+# --offload-layers) for those of them with a head under $HEADS (default
+# .gpu/heads/<name>/, EAGLE-3 layout). Writes
 # its logs and results under $OUT (default results/gpu-check). Each part has its own
 # time limit, so one that hangs leaves the others' output; PARTS picks parts.
 #
@@ -71,6 +74,7 @@ fi
 has tests && timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -p no:cacheprovider -rs \
   tests/test_sparse_decode_kernels.py tests/test_vslash_kernels.py tests/test_prefetch.py \
   tests/test_specontext.py tests/test_krul_observe.py tests/test_tiers.py \
+  tests/test_krul_restore_cost.py \
   -k "${TEST_K:-(triton or flashinfer or prefetch or cuda) and not interpreted and not fresh_process}$SKIP" \
   2>&1 | tee "$OUT/pytest.log"
 has tests && echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
@@ -92,7 +96,7 @@ if has restore; then
       for n in ${TOKENS:-4096 16384}; do
         timeout "${RESTORE_LIMIT:-150}" $PY -m sgl_spec.calibrate restore --model-path "$dir" \
           --random-weights --device cuda --tokens "$n" --spec-krul-codec "$codec" \
-          --out "$OUT/restore-$name-$codec-$n.json" 2>&1 | grep -v "it/s\]\|step/s\]" \
+          --tiers ${RESTORE_TIERS:-host file} --pipeline-share "${PIPE_SHARE:-0.5}" --out "$OUT/restore-$name-$codec-$n.json" 2>&1 | grep -v "it/s\]\|step/s\]" \
           | tee -a "$OUT/restore.log"
       done
     done
@@ -110,6 +114,7 @@ if has specontext; then
       timeout "${SC_LIMIT:-180}" $PY -m sgl_spec.calibrate decode --device cuda \
         --spec-mode specontext --spec-draft-path "$HEADS/$name" --model-path "$dir" \
         --histories ${SC_HISTORIES:-4096 8192 16384 32768} --batch "$b" \
+        --offload-layers "${SC_OFFLOAD:-all}" \
         --out "$OUT/decode-$name-b$b.json" 2>&1 | grep -v "point/s" | tee -a "$OUT/specontext.log"
     done
   done

@@ -9,55 +9,25 @@ import torch
 
 from sgl_spec.attention.extend import exact_extend
 from sgl_spec.krul import prepass
+from sgl_spec.krul.hf_ops import HFOps
 from sgl_spec.krul.pyramid import pyramid, restore_lengths
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 LAYERS, HQ, HKV, D = 4, 4, 2, 16
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+    """A small random model of each family the pre-pass binds (Qwen2: biased q/k/v)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=HQ * D, intermediate_size=96,
-                                   num_hidden_layers=LAYERS, num_attention_heads=HQ,
-                                   num_key_value_heads=HKV, max_position_embeddings=256)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-class HFOps:
-    """A transformers Llama as ``prepass.LayerOps``."""
-
-    def __init__(self, model):
-        self.m = model.model
-        self.num_layers = len(self.m.layers)
-
-    def embed(self, ids):
-        return self.m.embed_tokens(ids)
-
-    def qkv(self, layer, x, positions):
-        a = self.m.layers[layer].self_attn
-        q = a.q_proj(x).view(-1, HQ, D).transpose(0, 1)[None]
-        k = a.k_proj(x).view(-1, HKV, D).transpose(0, 1)[None]
-        v = a.v_proj(x).view(-1, HKV, D)
-        cos, sin = self.m.rotary_emb(x[None], positions[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q[0].transpose(0, 1), k[0].transpose(0, 1), v
-
-    def attn_out(self, layer, o):
-        return self.m.layers[layer].self_attn.o_proj(o.reshape(o.shape[0], -1))
-
-    def norm(self, layer, which, h, residual):
-        h = h if residual is None else h + residual
-        lyr = self.m.layers[layer]
-        return (lyr.input_layernorm if which == 0 else lyr.post_attention_layernorm)(h), h
-
-    def mlp(self, layer, x):
-        return self.m.layers[layer].mlp(x)
-
-    def scale(self, layer):
-        return D ** -0.5
+    kind = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+    config, cls = kind[request.param]
+    cfg = config(vocab_size=97, hidden_size=HQ * D, intermediate_size=96,
+                 num_hidden_layers=LAYERS, num_attention_heads=HQ,
+                 num_key_value_heads=HKV, max_position_embeddings=256)
+    return cls(cfg).eval()
 
 
 def _reference_kv(model, ids):

@@ -62,6 +62,20 @@ def test_profile_and_its_share(tiny_config):
         restore_cost.cost_of(prof, "disk")
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_pipeline_restore_fills_every_row(tiny_config, device):
+    """``--pipeline-share``: the timed restore (the pre-pass and the load, alone, serial
+    and pipelined) runs on the device at the pyramid of the forced share."""
+    dev = torch.device(device)
+    model = restore_cost.load_model(tiny_config, torch.float32, dev, random_weights=True)
+    p = restore_cost.measure_pipeline(model, 64, 0.5, torch.float32, "full", 1, dev)
+    assert 0 < p["recompute_token_layers"] and 0 < p["stored_rows"] < 64 * 2
+    assert all(p[k] > 0 for k in ("T_C_s", "T_L_s", "serial_s", "pipelined_s"))
+    assert 0.5 <= p["max_over_sum"] < 1 and len(p["runs_s"]["pipelined"]) == 1
+
+
 def test_share_follows_the_costs():
     """A load as dear as a recompute splits about evenly; a cheap load recomputes nothing."""
     even = choose_share(RestoreCost(recompute_s=1.0, load_s=1.0), 1000, [1.0] * 4)
@@ -86,6 +100,7 @@ def test_cli_writes_the_profile(tiny_config, tmp_path, capsys):
     (["--tokens", "8"], "--tokens must be >= 16"),
     (["--tiers", "disk"], "invalid choice: 'disk'"),
     (["--spec-krul-codec", "int4"], "invalid choice: 'int4'"),
+    (["--pipeline-share", "1.5"], "valid 0 < S <= 1"),
 ])
 def test_cli_refuses_bad_values(tiny_config, argv, message, capsys):
     from sgl_spec.calibrate.__main__ import main

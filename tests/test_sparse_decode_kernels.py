@@ -419,7 +419,46 @@ def test_copy_rows_kernel_matches_reference(dtype):
         copy_rows(*stage, pool_k, pool_v, torch.tensor([0]), torch.tensor([1500]))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "pageable"])
+def test_copy_rows_from_a_host_pool_cuda(pinned):
+    """An offloaded layer: the pool in host memory, staging and indices on the GPU. A
+    pinned pool takes the Triton kernel (read in place), a pageable one the reference
+    (gathered on the host); both equal the reference on one device."""
+    g = torch.Generator().manual_seed(1)
+    pool = [torch.randn(700, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    host = [t.pin_memory() if pinned else t for t in pool]
+    stage = [torch.randn(64, 2, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
+    want = [t.cpu() for t in stage]
+    dst, src = torch.randperm(128, generator=g)[:90], torch.randint(0, 1400, (90,), generator=g)
+    copy_rows(*stage, *host, dst.cuda(), src.cuda())
+    copy_rows_reference(*want, *pool, dst, src)
+    assert torch.equal(stage[0].cpu(), want[0]) and torch.equal(stage[1].cpu(), want[1])
+
+
 # ---------------------------------------------------------------- triton
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [0, 1, 45, 200])
+def test_triton_copy_rows_matches_reference(triton_ready, dtype, rows):
+    """The elastic loads' Triton kernel (device pool; on a GPU also a pinned host pool,
+    read in place) equals index_select + index_copy_ and leaves other rows alone."""
+    from sgl_spec.kernels.sparse_decode.triton_copy import copy_rows_triton
+
+    g = torch.Generator().manual_seed(rows)
+    pool = [torch.randn(300, 3, 48, generator=g).to(dtype) for _ in range(2)]
+    stage0 = [torch.randn(80, 3, 48, generator=g).to(dtype) for _ in range(2)]
+    dst = torch.randperm(240, generator=g)[:rows]
+    src = torch.randint(0, 900, (rows,), generator=g)
+    want = [t.clone() for t in stage0]
+    copy_rows_reference(*want, *pool, dst, src)
+    dev = "cuda" if CUDA else "cpu"
+    pools = [[t.to(dev) for t in pool]] + ([[t.pin_memory() for t in pool]] if CUDA else [])
+    for p in pools:
+        stage = [t.to(dev) for t in stage0]
+        copy_rows_triton(*stage, *p, dst.to(dev), src.to(dev))
+        assert torch.equal(stage[0].cpu(), want[0]) and torch.equal(stage[1].cpu(), want[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -455,3 +455,54 @@ def test_calibrate_decode_times_the_path_served_on_the_device(tmp_path, device):
         assert 0 < c["rows_loaded"] < 256 and 0 < c["overlap"] < 1
     with pytest.raises(ValueError, match="valid on cuda: specontext"):
         step_cost.check(DecodeConfig(mode="loopserve"), (8192,), "cuda")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_calibrate_decode_offload_row_reads_the_host(tmp_path, device, monkeypatch):
+    """``calibrate decode --offload-layers``: a third row with the last layers' KV in host
+    memory (pinned on CUDA); its steps are sparse, every load of those layers reads the
+    host copies (on CUDA through the Triton kernel, no host gather), and the profile has
+    the host copies' time and the hidden share."""
+    from sgl_spec.attention import step_cost
+    from sgl_spec.kernels import sparse_decode
+
+    model = tmp_path / "model"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json.dumps({
+        "num_hidden_layers": 6, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "vocab_size": 1000}))
+    hcfg = HeadConfig(hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab_size=1000, target_hidden_size=576, aux_layers=(1, 3, 4))
+    eagle3.save(str(tmp_path / "head"), hcfg, random_weights(hcfg))
+    cfg = DecodeConfig(mode="specontext", budget=256, draft_path=str(tmp_path / "head"))
+    reads = []
+    copy = sparse_decode.copy_rows
+
+    def spy(sk, sv, pk, pv, dst, src):
+        reads.append((pk.device.type, pk.is_pinned() if pk.device.type == "cpu" else None))
+        return copy(sk, sv, pk, pv, dst, src)
+
+    monkeypatch.setattr("sgl_spec.sparse.elastic.copy_rows", spy)
+    if device == "cuda":
+        from sgl_spec.kernels.sparse_decode import reference
+
+        ref = reference.copy_rows_reference
+
+        def no_host_gather(sk, sv, pk, pv, dst, src):
+            assert pk.is_cuda, "a host gather (the reference) ran for a pinned host pool"
+            return ref(sk, sv, pk, pv, dst, src)
+        monkeypatch.setattr(reference, "copy_rows_reference", no_host_gather)
+    prof = step_cost.profile(str(model), cfg, (1024,), steps=4, repeats=1, progress=False,
+                             device=device, offload_layers=4)
+    assert prof["offload_layers"] == [2, 3, 4, 5]
+    assert prof["offload_s"][0] > 0 and prof["host_copy_s"][0] > 0
+    assert 0 <= prof["hidden_share"][0] <= 1
+    host_reads = [r for r in reads if r[0] == "cpu"]
+    if device == "cuda":
+        assert host_reads and all(pinned for _, pinned in host_reads)
+    with pytest.raises(ValueError, match="valid 0..6"):
+        step_cost.offload_plan(cfg, 6, 7)
+    with pytest.raises(ValueError, match="valid: specontext"):
+        step_cost.offload_plan(DecodeConfig(mode="loopserve"), 6, 2)

@@ -20,8 +20,9 @@ forward pass) from the paged pool and dispatches to one implementation:
 every implementation with. Implementations are imported on first use.
 
 ``copy_rows(stage_k, stage_v, pool_k, pool_v, dst, src)`` moves SpeContext's elastic
-loads of one layer (K and V rows, pool -> staging) in one C++ call on CPU
-(``reference.copy_rows_reference`` elsewhere, and as the tests' oracle).
+loads of one layer (K and V rows, pool -> staging) in one C++ call on CPU, in one
+Triton launch on a GPU whose pool layer is in pinned host memory (``triton_copy``;
+``reference.copy_rows_reference`` elsewhere, and as the tests' oracle).
 ``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
 keys in the pool with its queries, reading them in place (SpeContext's selection;
 ``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
@@ -96,7 +97,9 @@ def sparse_decode(
 def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor,
               pool_v: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
     """``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V: the C++ kernel
-    for contiguous CPU buffers where it builds (indices checked), else the reference."""
+    for contiguous CPU buffers where it builds (indices checked); on a GPU from a pool
+    pinned in host memory (an offloaded layer), the Triton kernel that reads it in place
+    (``triton_copy``: no host sync); else the reference."""
     from .cpu_impl import load_kernel
     from .reference import copy_rows_reference
 
@@ -106,6 +109,12 @@ def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor
         if mod is not None:
             mod.copy_rows(*bufs)
             return
+    elif (stage_k.is_cuda and not pool_k.is_cuda and pool_k.is_pinned()
+          and pool_v.is_pinned() and all(t.is_contiguous() for t in bufs)):
+        from .triton_copy import copy_rows_triton
+
+        copy_rows_triton(*bufs)
+        return
     copy_rows_reference(*bufs)
 
 

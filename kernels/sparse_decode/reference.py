@@ -62,10 +62,13 @@ def copy_rows_reference(
     dst: torch.Tensor,  # [M] int64 flat rows of the staging buffers
     src: torch.Tensor,  # [M] int64 flat rows of the pool
 ) -> None:
-    """Elastic loads: ``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V."""
+    """Elastic loads: ``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V.
+    The pool may live on another device than the staging rows (an offloaded layer in
+    host memory): the rows are gathered where the pool is, then copied (a host sync)."""
     for stage, pool in ((stage_k, pool_k), (stage_v, pool_v)):
         d = pool.shape[-1]
-        stage.view(-1, d).index_copy_(0, dst, pool.reshape(-1, d).index_select(0, src))
+        rows = pool.reshape(-1, d).index_select(0, src.to(pool.device))
+        stage.view(-1, d).index_copy_(0, dst, rows.to(stage.device))
 
 
 def head_logits_reference(

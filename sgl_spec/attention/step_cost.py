@@ -105,7 +105,8 @@ class _Bench:
 
     def __init__(self, cfg: DecodeConfig, shape: AttnShape, hidden: int, vocab: int,
                  batch: int, history: int, steps: int, head=None, seed: int = 0,
-                 device: str = "cpu", pool: tuple[list, list] | None = None):
+                 device: str = "cpu", pool: tuple[list, list] | None = None,
+                 host: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.shape, self.hidden, self.vocab, self.batch = shape, hidden, vocab, batch
         self.device = dev = torch.device(device)
         self.gen = torch.Generator().manual_seed(seed)  # small draws, on the CPU
@@ -152,6 +153,12 @@ class _Bench:
                                impl=CUDA_DECODE_IMPL if dev.type == "cuda" else None)
         self.core = AttentionCore(self.decoder, None, self.head)
         self._extend(_LAST_CHUNK)  # the last prompt chunk through the whole path
+        self.host = sorted(host or {})
+        if host:  # offloaded layers: the decoder's pool reads them from the host copies
+            self.k, self.v = list(self.k), list(self.v)
+            for j, (hk, hv) in host.items():
+                self.k[j], self.v[j] = hk, hv
+        self.last_plan = None
         self.q = torch.randn(batch, shape.num_q_heads, shape.head_dim,
                              generator=self.gen).to(dev, shape.kv_dtype)
         self.out = torch.empty_like(self.q)
@@ -217,7 +224,7 @@ class _Bench:
         ``ranges``: its stages named for a profiler (``trace``)."""
         named = torch.profiler.record_function if ranges else lambda _: contextlib.nullcontext()
         with named("plan"):
-            plan = self.core.plan(self._view("decode", 1))
+            plan = self.last_plan = self.core.plan(self._view("decode", 1))
         for layer in range(self.shape.num_layers):
             with named("head capture"):
                 self._capture(layer, self.batch, drift=True)
@@ -225,6 +232,39 @@ class _Bench:
                 self.core.run(plan, layer, self.q, self.k[layer], self.v[layer], self.out,
                               self.shape.sm_scale)
         self.lens = [s + 1 for s in self.lens]
+
+
+    def host_copy_s(self, repeats: int = 3) -> float:
+        """Seconds of the last pass's loads of the host layers alone (the elastic loads
+        and the decoded token's row, every host layer, on the current stream, synced):
+        what an offloaded step would wait for if nothing hid it. 0 without host layers
+        or staged rows."""
+        st = None if self.last_plan is None or self.last_plan.decode is None \
+            else self.last_plan.decode.staged
+        if not self.host or st is None:
+            return 0.0
+        ep = st.elastic
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        out = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            for j in self.host:
+                bufs = (*self.policy.stage_buffers(j), self.k[j], self.v[j])
+                ep.ahead.copy(*bufs)
+                ep.current.copy(*bufs)
+            sync()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+
+def host_layers(pool: tuple[list, list], layers: list[int]
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Host copies of ``layers`` of a pool (pinned where it is on a GPU, as
+    ``--spec-offload`` moves a layer: ``tiers.offload.to_host``)."""
+    from sgl_spec.tiers.offload import to_host
+
+    return {j: (to_host(pool[0][j]), to_host(pool[1][j])) for j in layers}
 
 
 def kv_pool(shape: AttnShape, slots: int, device, gen: torch.Generator
@@ -280,13 +320,19 @@ def check(cfg: DecodeConfig, histories, device: str = "cpu") -> None:
 
 def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int = 1,
             steps: int = 32, repeats: int = 3, threads: int | None = None,
-            progress: bool = True, dtype: str = "bfloat16", device: str = "cpu") -> dict:
+            progress: bool = True, dtype: str = "bfloat16", device: str = "cpu",
+            offload_layers: int = 0) -> dict:
     """Seconds per decode step (attention and planning, every layer) of ``cfg``'s server
     with every history sparse and with none, at each history; ``steps`` timed (for
     LoopServe a multiple of ``nd``, after a warm-up past its first selection), the two
     rows interleaved over ``repeats`` rounds, over a KV pool of ``dtype`` (the served
     model's: ``sgl_spec.cpu`` on bfloat16 without native support), on
-    ``device`` (the module docstring). ValueError on what cannot be measured (``check``)."""
+    ``device`` (the module docstring). ``offload_layers`` > 0 adds a third row, the
+    sparse one with the last ``offload_layers`` layers' KV in host memory (pinned on a
+    GPU), as ``--spec-offload`` places them: their elastic loads read the host, on the
+    prefetcher's side stream / thread; with each history's host copy time alone and the
+    share of it hidden behind compute (1 - the offload row's extra time / the copies').
+    ValueError on what cannot be measured (``check``)."""
     from tqdm import tqdm
 
     check(cfg, histories, device)
@@ -304,22 +350,28 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
         steps = -(-steps // cfg.nd) * cfg.nd  # whole reselection intervals
     rows = {"exact": dataclasses.replace(cfg, min_context=NEVER),
             "sparse": dataclasses.replace(cfg, min_context=0)}
+    offloaded = offload_plan(cfg, shape.num_layers, offload_layers)
+    if offloaded:
+        rows["offload"] = rows["sparse"]
     med = {name: [] for name in rows}  # median seconds per step, by history
     runs = {name: [] for name in rows}  # every round's
     counts = []  # the sparse row's last round, by history
     dev = torch.device(device)
     pool = kv_pool(shape, batch * (max(histories) + warm + steps + 1) + 1, dev,
                    torch.Generator(dev).manual_seed(1))
-    bar = tqdm(total=len(histories) * repeats * 2, desc="decode steps", unit="point",
+    host = host_layers(pool, offloaded) if offloaded else None
+    copy_s = []  # the offload row's host copies alone, by history
+    bar = tqdm(total=len(histories) * repeats * len(rows), desc="decode steps", unit="point",
                disable=not progress)
     for h in histories:
         times = {name: [] for name in rows}
         cnt = {}
+        copies = []
         for _ in range(repeats):
             for name, c in rows.items():
                 bar.set_postfix_str(f"{name} {h} tok x{batch}")
                 b = _Bench(c, shape, hidden, vocab, batch, h, warm + steps, head,
-                           device=device, pool=pool)
+                           device=device, pool=pool, host=host if name == "offload" else None)
                 for _ in range(warm):
                     b.step()
                 b.reset_counts()
@@ -330,14 +382,24 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
                 sync()
                 times[name].append((time.perf_counter() - t0) / steps)
                 cnt[name] = b.counts()
+                if name == "offload":
+                    copies.append(b.host_copy_s())
                 del b
                 bar.update()
         for name in rows:
             med[name].append(statistics.median(times[name]))
             runs[name].append(times[name])
         counts.append(cnt["sparse"])
+        if offloaded:
+            copy_s.append(statistics.median(copies))
     bar.close()
     cross = crossover(histories, med["exact"], med["sparse"])
+    extra = {}
+    if offloaded:
+        extra = {"offload_layers": offloaded, "offload_s": med["offload"],
+                 "offload_runs_s": runs["offload"], "host_copy_s": copy_s,
+                 "hidden_share": [hidden_share(s, o, c) for s, o, c in
+                                  zip(med["sparse"], med["offload"], copy_s)]}
     return {
         "format": _FORMAT,
         "hardware": platform.processor() or platform.machine(),
@@ -354,7 +416,32 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
         "exact_runs_s": runs["exact"], "sparse_runs_s": runs["sparse"],
         "sparse_counts": counts,
         "crossover": None if cross == NEVER else cross,
+        **extra,
     }
+
+
+def offload_plan(cfg: DecodeConfig, num_layers: int, n: int) -> list[int]:
+    """The layers a profile's offload row keeps on the host: the last ``n`` (Algorithm
+    2's order), none of the ``--spec-dense-layers`` (they read the whole pool). ValueError
+    names the valid range."""
+    top = num_layers - cfg.dense_layers
+    if n == 0:
+        return []
+    if not cfg.retrieval_head:
+        raise ValueError(f"--offload-layers times SpeContext's offloaded step; --spec-mode "
+                         f"{cfg.mode} does not stage its rows; valid: specontext")
+    if not 0 < n <= top:
+        raise ValueError(f"--offload-layers {n}: valid 0..{top} (the model's {num_layers} "
+                         f"layers less {cfg.dense_layers} dense ones)")
+    return sorted(num_layers - 1 - j for j in range(n))
+
+
+def hidden_share(sparse_s: float, offload_s: float, copy_s: float) -> float | None:
+    """The share of the host copies' time that an offloaded step did not add to the
+    device-resident step: 1 - (offload - sparse) / copies, in [0, 1] (None: no copies)."""
+    if copy_s <= 0:
+        return None
+    return min(1.0, max(0.0, 1.0 - (offload_s - sparse_s) / copy_s))
 
 
 def trace(model_path: str, cfg: DecodeConfig, history: int, batch: int = 1, steps: int = 8,

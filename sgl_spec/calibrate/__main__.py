@@ -108,6 +108,10 @@ def _restore_args(rp: argparse.ArgumentParser) -> None:
     rp.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS, metavar="TIER",
                     help=f"tiers to measure; valid: {', '.join(TIERS)} (default all)")
     rp.add_argument("--repeats", type=int, default=3, metavar="R", help="timed runs (median)")
+    rp.add_argument("--pipeline-share", type=float, metavar="S",
+                    help="also time a host-tier restore that recomputes this share (0 < S "
+                         "<= 1), serial against pipelined (--spec-krul-restore), with the "
+                         "served pre-pass over transformers' layers (default: not timed)")
     rp.add_argument("--out", help="output JSON (default: restore-<model>-<device>.json here)")
 
 
@@ -119,6 +123,8 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
 
     if args.tokens < 16 or args.repeats < 1:
         ap.error("--tokens must be >= 16 and --repeats >= 1")
+    if args.pipeline_share is not None and not 0 < args.pipeline_share <= 1:
+        ap.error(f"--pipeline-share {args.pipeline_share}: valid 0 < S <= 1")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         ap.error(f"--device {args.device!r} is not available here; valid: cpu"
                  + (", cuda" if torch.cuda.is_available() else ""))
@@ -136,7 +142,8 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
     prof = restore_cost.profile(model, device=args.device, dtype=getattr(torch, args.dtype),
                                 tokens=args.tokens, codec=args.spec_krul_codec,
                                 tiers=tuple(args.tiers), repeats=args.repeats,
-                                random_weights=args.random_weights)
+                                random_weights=args.random_weights,
+                                pipeline_share=args.pipeline_share)
     n, L = prof["tokens"], prof["shape"]["num_layers"]
     print(f"{prof['hardware']} ({prof['device']}, {prof['dtype']}), {n} tokens x {L} layers, "
           f"codec {prof['codec']}")
@@ -146,6 +153,12 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
     for tier, t in prof["tiers"].items():
         print(f"{tier:5s}  {t['load_s'] * 1e6:11.4f}   {t['load_only_s']:11.3f}   "
               f"{t['share']:10.3f}   {t['split_s']:.3f}")
+    p = prof.get("pipeline")
+    if p:
+        print(f"a host restore recomputing share {p['share']}: T_C {p['T_C_s'] * 1e3:.2f} ms, "
+              f"T_L {p['T_L_s'] * 1e3:.2f} ms; serial {p['serial_s'] * 1e3:.2f} ms, pipelined "
+              f"{p['pipelined_s'] * 1e3:.2f} ms = {p['pipelined_over_sum']:.2f}x (T_C + T_L) "
+              f"(max(T_C, T_L) would be {p['max_over_sum']:.2f}x)")
     out = args.out or f"restore-{os.path.basename(model.rstrip('/'))}-{prof['device']}.json"
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
@@ -178,6 +191,11 @@ def _decode_args(dp: argparse.ArgumentParser) -> None:
                     help="cpu (default), or cuda: SpeContext's path as a GPU server runs it "
                          "(head, loads on a side stream, the Triton kernel; the other modes "
                          "decode through sglang's backend there)")
+    dp.add_argument("--offload-layers", default="0", metavar="N",
+                    help="also time SpeContext's step with the last N layers' KV on the host "
+                         "(pinned on cuda), as --spec-offload places them, and the share of "
+                         "their loads hidden behind compute; 'all': every layer but the "
+                         "dense ones (default 0: no such row)")
     dp.add_argument("--trace", metavar="FILE",
                     help="also profile the sparse row's steps at the longest history "
                          "(torch.profiler) and write its table of ops by host time here")
@@ -217,7 +235,21 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         dp.error("--device cuda needs a CUDA GPU; valid here: cpu")
+    offload = args.offload_layers
+    if offload != "all":
+        try:
+            offload = int(offload)
+        except ValueError:
+            dp.error(f"--offload-layers {offload!r}: valid: an integer >= 0, or all")
+        if offload < 0:
+            dp.error(f"--offload-layers {offload}: valid: an integer >= 0, or all")
+    if offload and not cfg.retrieval_head:
+        dp.error(f"--offload-layers times SpeContext's offloaded step; --spec-mode {cfg.mode} "
+                 "does not stage its rows; valid: specontext")
     model = model_path(dp, args.model_path)
+    if offload == "all":
+        with open(os.path.join(model, "config.json")) as f:
+            offload = json.load(f)["num_hidden_layers"] - cfg.dense_layers
     if cfg.retrieval_head and not cfg.draft_path:
         import dataclasses
 
@@ -225,11 +257,13 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
 
         cfg = dataclasses.replace(cfg, draft_path=prepare(model))
     with open(os.path.join(model, "config.json")) as f:
-        dtype = step_cost.kv_dtype(args.dtype, None, json.load(f))
+        config = json.load(f)
+    dtype = step_cost.kv_dtype(args.dtype, None, config)
     try:
         prof = step_cost.profile(model, cfg, tuple(sorted(set(args.histories))),
                                  batch=args.batch, steps=args.steps, repeats=args.repeats,
-                                 threads=args.threads or None, dtype=dtype, device=args.device)
+                                 threads=args.threads or None, dtype=dtype, device=args.device,
+                                 offload_layers=offload)
     except ValueError as exc:
         dp.error(str(exc))
     where = prof.get("gpu") or (f"{prof['hardware']} ({prof['cpus']} cpus, "
@@ -240,6 +274,16 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     print("history   exact ms   sparse ms   sparse/exact")
     for h, e, sp in zip(prof["histories"], prof["exact_s"], prof["sparse_s"]):
         print(f"{h:7d}   {e * 1e3:8.2f}   {sp * 1e3:9.2f}   {sp / e:12.2f}")
+    if "offload_s" in prof:
+        print(f"with the last {len(prof['offload_layers'])} layers on the host "
+              f"({'pinned, read by the GPU' if args.device == 'cuda' else 'host memory'}):")
+        print("history   offload ms   offload/sparse   offload/exact   host copies ms   hidden")
+        for i, h in enumerate(prof["histories"]):
+            o, sp, e = prof["offload_s"][i], prof["sparse_s"][i], prof["exact_s"][i]
+            hid = prof["hidden_share"][i]
+            print(f"{h:7d}   {o * 1e3:10.2f}   {o / sp:14.2f}   {o / e:13.2f}   "
+                  f"{prof['host_copy_s'][i] * 1e3:14.2f}   "
+                  f"{'-' if hid is None else f'{hid:.0%}':>6}")
     cross = prof["crossover"]
     print(f"{cfg.mode} is faster than exact from {cross} tokens" if cross is not None else
           f"{cfg.mode} was faster than exact at no measured history: a server given this "

@@ -20,6 +20,7 @@ from two measured costs (``pyramid.RestoreCost``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -152,6 +153,102 @@ def load_into(arena: Arena, slots: torch.Tensor, dev_k: list[torch.Tensor],
         dev_v[layer][dev_idx] = v.to(dev_idx.device, non_blocking=True)
 
 
+@torch.no_grad()
+def measure_pipeline(model, tokens: int, share: float, dtype: torch.dtype, codec: str,
+                     repeats: int, device: torch.device) -> dict:
+    """A restore of a ``tokens``-long conversation at a forced recompute ``share``, run
+    serially and as a pipeline, as ``--spec-krul-restore`` runs it (median seconds of
+    ``repeats``, the orders interleaved):
+
+    * the recompute T_C: the pre-pass (``prepass.run``, the served loop) over the model's
+      own layers (transformers' modules: ``hf_ops``) for the pyramid's unstored rows;
+    * the load T_L: every layer's stored rows read from the arena through its codec into
+      the device buffers (``Arena.read_into``, what the Krul host pool's per-layer load
+      does), on a side stream on CUDA (as sglang's loader: its load stream);
+    * serial: the recompute to completion, then the load; pipelined: the recompute
+      issued first (CUDA: its kernels queued on the compute stream; CPU: on a worker
+      thread), the load meanwhile, then both joined.
+
+    Not sglang's loader or model modules (a GPU machine without sglang can run this)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sgl_spec.attention.extend import exact_extend
+
+    from . import prepass
+    from .hf_ops import HFOps
+    from .pyramid import restore_lengths
+
+    shape = ModelShape.of(model.config)
+    L, H, D = shape.num_layers, shape.kv_heads, shape.head_dim
+    unstored = pyramid(tokens, L, share)
+    R = restore_lengths(unstored, 0, tokens)
+    arena, slots = _filled_arena(shape, tokens, dtype, codec)
+    dev_k = [torch.zeros(tokens, H, D, dtype=dtype, device=device) for _ in range(L)]
+    dev_v = [torch.zeros_like(b) for b in dev_k]
+    dst = torch.arange(tokens, device=device)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (R[0],), generator=gen).to(device)
+    ops = HFOps(model)
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def write(layer, start, k, v):
+        dev_k[layer][start:start + k.shape[0]] = k
+        dev_v[layer][start:start + v.shape[0]] = v
+
+    def attend(layer, q, end):
+        return exact_extend(q, dev_k[layer][:end], dev_v[layer][:end], 0, ops.scale(layer))
+
+    def recompute():
+        with torch.no_grad():
+            prepass.run(ops, ids, 0, R, write, attend)
+
+    def load():
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            for layer, u in enumerate(unstored):
+                arena.read_into(layer, slots[u:], dev_k[layer], dev_v[layer], dst[u:])
+        if cuda:
+            side.synchronize()
+
+    worker = ThreadPoolExecutor(1, thread_name_prefix="sgl_spec-krul-restore")
+
+    def pipelined():
+        if cuda:
+            recompute()  # queued on the compute stream; the load runs while it drains
+            load()
+        else:
+            job = worker.submit(recompute)
+            load()
+            job.result()
+
+    def serial():
+        recompute()
+        _sync(device)
+        load()
+
+    fns = {"recompute": recompute, "load": load, "serial": serial, "pipelined": pipelined}
+    for fn in fns.values():  # warm-up
+        fn()
+        _sync(device)
+    runs = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            runs[name].append(time.perf_counter() - t0)
+    worker.shutdown()
+    med = {name: statistics.median(v) for name, v in runs.items()}
+    return {"share": share, "recompute_token_layers": sum(R), "stored_rows":
+            sum(tokens - u for u in unstored), "T_C_s": med["recompute"], "T_L_s": med["load"],
+            "serial_s": med["serial"], "pipelined_s": med["pipelined"],
+            "pipelined_over_sum": med["pipelined"] / (med["recompute"] + med["load"]),
+            "pipelined_over_serial": med["pipelined"] / med["serial"],
+            "max_over_sum": max(med["recompute"], med["load"])
+            / (med["recompute"] + med["load"]), "runs_s": runs}
+
+
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -167,19 +264,26 @@ def hardware(device: torch.device) -> str:
 
 def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
             tokens: int = 4096, codec: str = "int8", tiers=TIERS, repeats: int = 3,
-            random_weights: bool = False, progress: bool = True) -> dict:
+            random_weights: bool = False, progress: bool = True,
+            pipeline_share: float | None = None) -> dict:
     """Measure both costs and choose each tier's recompute share for a ``tokens``-long
-    conversation (all layers stored through ``codec``; no merged pairs)."""
+    conversation (all layers stored through ``codec``; no merged pairs);
+    ``pipeline_share``: also a host-tier restore at that forced share, serial and
+    pipelined (``measure_pipeline``)."""
     from tqdm import tqdm
 
     dev = torch.device(device)
-    steps = tqdm(total=1 + len(tiers), desc="krul: restore costs", unit="step",
-                 disable=not progress)
+    steps = tqdm(total=1 + len(tiers) + (pipeline_share is not None),
+                 desc="krul: restore costs", unit="step", disable=not progress)
     model = load_model(model_path, dtype, dev, random_weights)
     shape = ModelShape.of(model.config)
     recompute_s = measure_recompute(model, tokens, repeats, dev)
-    del model
     steps.update()
+    pipeline = None
+    if pipeline_share is not None:
+        pipeline = measure_pipeline(model, tokens, pipeline_share, dtype, codec, repeats, dev)
+        steps.update()
+    del model
     out = {"format": _FORMAT, "model": os.path.abspath(model_path), "hardware": hardware(dev),
            "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
            "codec": codec, "shape": asdict(shape), "repeats": repeats,
@@ -197,6 +301,8 @@ def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.
             "split_s": t_split}
         steps.update()
     steps.close()
+    if pipeline is not None:
+        out["pipeline"] = pipeline
     return out
 
 
