@@ -31,6 +31,7 @@ keys in the pool with its queries, reading them in place (SpeContext's selection
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
@@ -43,6 +44,10 @@ from .common import (
     subset_positions,
     take_rows,
 )
+
+logger = logging.getLogger(__name__)
+# Where the Triton kernel could not read a pinned host pool: why (then the reference).
+HOST_COPY: dict[str, str | None] = {"fallback": None}
 
 # impl name -> (module, function)
 _IMPLS = {
@@ -110,11 +115,18 @@ def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor
             mod.copy_rows(*bufs)
             return
     elif (stage_k.is_cuda and not pool_k.is_cuda and pool_k.is_pinned()
-          and pool_v.is_pinned() and all(t.is_contiguous() for t in bufs)):
+          and pool_v.is_pinned() and all(t.is_contiguous() for t in bufs)
+          and HOST_COPY["fallback"] is None):
         from .triton_copy import copy_rows_triton
 
-        copy_rows_triton(*bufs)
-        return
+        try:
+            copy_rows_triton(*bufs)
+            return
+        except (ValueError, RuntimeError) as exc:  # e.g. a driver that maps no host memory
+            HOST_COPY["fallback"] = f"{type(exc).__name__}: {exc}"
+            logger.warning("sgl_spec: the GPU cannot read the pinned host pool in place "
+                           "(%s); host-pool loads gather on the host (a sync per layer)",
+                           HOST_COPY["fallback"])
     copy_rows_reference(*bufs)
 
 

@@ -396,7 +396,11 @@ def profile(model_path: str, cfg: DecodeConfig, histories=HISTORIES, batch: int 
     cross = crossover(histories, med["exact"], med["sparse"])
     extra = {}
     if offloaded:
-        extra = {"offload_layers": offloaded, "offload_s": med["offload"],
+        from sgl_spec.kernels.sparse_decode import HOST_COPY
+
+        fallback = HOST_COPY["fallback"]
+        extra = {"host_copy": "in place" if fallback is None else f"gathered ({fallback})",
+                 "offload_layers": offloaded, "offload_s": med["offload"],
                  "offload_runs_s": runs["offload"], "host_copy_s": copy_s,
                  "hidden_share": [hidden_share(s, o, c) for s, o, c in
                                   zip(med["sparse"], med["offload"], copy_s)]}

@@ -275,8 +275,8 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
     for h, e, sp in zip(prof["histories"], prof["exact_s"], prof["sparse_s"]):
         print(f"{h:7d}   {e * 1e3:8.2f}   {sp * 1e3:9.2f}   {sp / e:12.2f}")
     if "offload_s" in prof:
-        print(f"with the last {len(prof['offload_layers'])} layers on the host "
-              f"({'pinned, read by the GPU' if args.device == 'cuda' else 'host memory'}):")
+        where = f"pinned, loads {prof['host_copy']}" if args.device == "cuda" else "host memory"
+        print(f"with the last {len(prof['offload_layers'])} layers on the host ({where}):")
         print("history   offload ms   offload/sparse   offload/exact   host copies ms   hidden")
         for i, h in enumerate(prof["histories"]):
             o, sp, e = prof["offload_s"][i], prof["sparse_s"][i], prof["exact_s"][i]
