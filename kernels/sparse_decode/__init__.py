@@ -21,8 +21,8 @@ every implementation with. Implementations are imported on first use.
 
 ``copy_rows(stage_k, stage_v, pool_k, pool_v, dst, src)`` moves SpeContext's elastic
 loads of one layer (K and V rows, pool -> staging) in one C++ call on CPU, in one
-Triton launch on a GPU whose pool layer is in pinned host memory (``triton_copy``;
-``reference.copy_rows_reference`` elsewhere, and as the tests' oracle).
+Triton launch on a GPU, from the device pool or a layer pinned in host memory
+(``triton_copy``; ``reference.copy_rows_reference`` elsewhere, and as the tests' oracle).
 ``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
 keys in the pool with its queries, reading them in place (SpeContext's selection;
 ``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
@@ -102,9 +102,9 @@ def sparse_decode(
 def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor,
               pool_v: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
     """``stage.view(-1, D)[dst] = pool.view(-1, D)[src]`` for K and V: the C++ kernel
-    for contiguous CPU buffers where it builds (indices checked); on a GPU from a pool
-    pinned in host memory (an offloaded layer), the Triton kernel that reads it in place
-    (``triton_copy``: no host sync); else the reference."""
+    for contiguous CPU buffers where it builds (indices checked); on a GPU the Triton
+    kernel (``triton_copy``: one launch for K and V), which also reads a pool pinned in
+    host memory (an offloaded layer) in place, with no host sync; else the reference."""
     from .cpu_impl import load_kernel
     from .reference import copy_rows_reference
 
@@ -114,15 +114,17 @@ def copy_rows(stage_k: torch.Tensor, stage_v: torch.Tensor, pool_k: torch.Tensor
         if mod is not None:
             mod.copy_rows(*bufs)
             return
-    elif (stage_k.is_cuda and not pool_k.is_cuda and pool_k.is_pinned()
-          and pool_v.is_pinned() and all(t.is_contiguous() for t in bufs)
-          and HOST_COPY["fallback"] is None):
+    elif (stage_k.is_cuda and all(t.is_contiguous() for t in bufs)
+          and (pool_k.is_cuda or (pool_k.is_pinned() and pool_v.is_pinned()
+                                  and HOST_COPY["fallback"] is None))):
         from .triton_copy import copy_rows_triton
 
         try:
             copy_rows_triton(*bufs)
             return
         except (ValueError, RuntimeError) as exc:  # e.g. a driver that maps no host memory
+            if pool_k.is_cuda:
+                raise
             HOST_COPY["fallback"] = f"{type(exc).__name__}: {exc}"
             logger.warning("sgl_spec: the GPU cannot read the pinned host pool in place "
                            "(%s); host-pool loads gather on the host (a sync per layer)",

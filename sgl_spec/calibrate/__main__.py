@@ -159,6 +159,10 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
               f"T_L {p['T_L_s'] * 1e3:.2f} ms; serial {p['serial_s'] * 1e3:.2f} ms, pipelined "
               f"{p['pipelined_s'] * 1e3:.2f} ms = {p['pipelined_over_sum']:.2f}x (T_C + T_L) "
               f"(max(T_C, T_L) would be {p['max_over_sum']:.2f}x)")
+        if "pipelined_thread_s" in p:
+            print(f"  the pre-pass launched from a worker thread: "
+                  f"{p['pipelined_thread_s'] * 1e3:.2f} ms = "
+                  f"{p['pipelined_thread_over_sum']:.2f}x (T_C + T_L)")
     out = args.out or f"restore-{os.path.basename(model.rstrip('/'))}-{prof['device']}.json"
     with open(out, "w") as f:
         json.dump(prof, f, indent=1)
