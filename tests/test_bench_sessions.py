@@ -165,4 +165,5 @@ def test_a_forced_share_profile_makes_that_share(tmp_path):
         "hidden_size": 576}))
     for share in (0.25, 0.5):
         path = sessions.forced_profile(str(model), share, str(tmp_path / f"{share}.json"))
-        assert host_share(read_profile(path), 30) == pytest.approx(share, abs=1 / 64)
+        for pipelined in (True, False):  # the serial and pipelined rows restore alike
+            assert host_share(read_profile(path), 30, pipelined=pipelined) == share

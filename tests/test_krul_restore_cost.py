@@ -76,6 +76,33 @@ def test_pipeline_restore_fills_every_row(tiny_config, device):
     assert 0.5 <= p["max_over_sum"] < 1 and len(p["runs_s"]["pipelined"]) == 1
 
 
+def test_the_share_follows_the_overlap_the_restore_has():
+    """A serial restore pays T_C + T_L: with a row's recompute dearer than its load it
+    recomputes nothing, where the paper's overlapped model balances the two. A measured
+    partial overlap keeps the balance only where recomputing still pays: below the
+    balance each recomputed row saves a load and costs overlap x (recompute / load) of
+    one. A profile's own ``share`` wins."""
+    from sgl_spec.krul.pyramid import restore_time
+
+    assert restore_time(2.0, 1.0) == 2.0 and restore_time(2.0, 1.0, 0.0) == 3.0
+    assert restore_time(2.0, 1.0, 0.5) == 2.5
+    with pytest.raises(ValueError, match="valid 0 <= overlap <= 1"):
+        restore_time(1.0, 1.0, 1.5)
+    prof = {"format": 1, "tokens": 4096, "shape": {"num_layers": 8},
+            "recompute_s": 1.5e-6, "tiers": {"host": {"load_s": 1e-6}}}
+    full = restore_cost.host_share(prof, 8)
+    assert 0.2 < full < 0.6
+    assert restore_cost.host_share(prof, 8, pipelined=False) == 0.0
+    assert restore_cost.overlap_of(prof) is None
+    prof["pipeline"] = {"T_C_s": 0.06, "T_L_s": 0.08, "pipelined_s": 0.11}  # 0.03 of 0.06
+    assert restore_cost.overlap_of(prof) == pytest.approx(0.5)
+    assert restore_cost.host_share(prof, 8) == full            # 0.5 x 1.5 < 1: it pays
+    prof["recompute_s"] = 3e-6                                  # 0.5 x 3 > 1: it does not
+    assert restore_cost.host_share(prof, 8) == 0.0
+    prof["share"] = 0.5
+    assert restore_cost.host_share(prof, 8, pipelined=False) == 0.5
+
+
 def test_share_follows_the_costs():
     """A load as dear as a recompute splits about evenly; a cheap load recomputes nothing."""
     even = choose_share(RestoreCost(recompute_s=1.0, load_s=1.0), 1000, [1.0] * 4)

@@ -340,11 +340,12 @@ def summarize(rows: dict, ref: list[dict] | None) -> dict:
 
 
 def forced_profile(model: str, share: float, path: str) -> str:
-    """A restore profile (the format ``calibrate restore`` writes) for ``model`` whose host
-    tier makes the recompute share ``share``: a token-layer's recompute costs 1 us, and a
-    row's load what makes the balance fall there (bisected). Written to ``path``."""
-    from sgl_spec.krul.restore_cost import host_share
-
+    """A restore profile (the format ``calibrate restore`` writes) for ``model`` whose
+    ``share`` field fixes the recompute share at ``share`` (``restore_cost.host_share``),
+    for a serial and a pipelined restore alike; its costs are made up. Written to
+    ``path``."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--krul-share {share}: valid 0 <= share <= 1")
     with open(os.path.join(model, "config.json")) as f:
         c = json.load(f)
     layers = c["num_hidden_layers"]
@@ -354,16 +355,7 @@ def forced_profile(model: str, share: float, path: str) -> str:
     prof = {"format": 1, "model": os.path.basename(model), "hardware": "made up",
             "device": "cpu", "dtype": "float32", "tokens": 4096, "codec": "k8v4",
             "shape": shape, "repeats": 1, "recompute_s": 1e-6,
-            "tiers": {"host": {"load_s": 1e-6}}}
-    lo, hi = 1e-9, 1e-3  # a row's load: the share grows with it
-    for _ in range(60):
-        mid = (lo * hi) ** 0.5
-        prof["tiers"]["host"]["load_s"] = mid
-        lo, hi = (mid, hi) if host_share(prof, layers) < share else (lo, mid)
-    prof["tiers"]["host"]["load_s"] = hi
-    got = host_share(prof, layers)
-    if abs(got - share) > 1 / 64:
-        raise ValueError(f"no host load cost makes the share {share} (closest {got:.3f})")
+            "tiers": {"host": {"load_s": 1e-6}}, "share": share}
     with open(path, "w") as f:
         json.dump(prof, f, indent=1)
     return path

@@ -159,6 +159,9 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
               f"T_L {p['T_L_s'] * 1e3:.2f} ms; serial {p['serial_s'] * 1e3:.2f} ms, pipelined "
               f"{p['pipelined_s'] * 1e3:.2f} ms = {p['pipelined_over_sum']:.2f}x (T_C + T_L) "
               f"(max(T_C, T_L) would be {p['max_over_sum']:.2f}x)")
+        print(f"  the pipeline hid {prof['overlap']:.0%} of the shorter part; the shares "
+              "above are for a pipelined restore at that overlap (a serial one recomputes "
+              "only where a row's recompute is cheaper than its load)")
         if "pipelined_thread_s" in p:
             print(f"  the pre-pass launched from a worker thread: "
                   f"{p['pipelined_thread_s'] * 1e3:.2f} ms = "

@@ -5,9 +5,11 @@ and leaves [0, U_l) unstored. On its next turn layer l recomputes [0, R_l) (runn
 the layers on those tokens' hidden states) while [R_l, n) is loaded. Layer l's input
 for [0, R_l) is layer l-1's output, which exists only if R_l <= R_{l-1} (Eq. 4-5), so
 R must be non-increasing: the pyramid, most recompute at the first layer. The share
-of recompute comes from a calibration of this hardware (``choose_share``): the two
-pipelines run side by side, so the restore takes max(T_C, T_L) and the best share
-makes them equal (Eq. 1).
+of recompute comes from a calibration of this hardware (``choose_share``): the paper's
+two pipelines run side by side, so the restore takes max(T_C, T_L) and the best share
+makes them equal (Eq. 1). A restore that overlaps them only in part (``overlap`` < 1,
+measured: ``calibrate restore --pipeline-share``) or not at all (a serial restore,
+``overlap`` 0) takes max + (1 - overlap) x min (``restore_time``).
 """
 
 from __future__ import annotations
@@ -88,15 +90,24 @@ def times(cost: RestoreCost, n: int, unstored: Sequence[int],
     return tc, tl
 
 
+def restore_time(tc: float, tl: float, overlap: float = 1.0) -> float:
+    """A restore's seconds when a share ``overlap`` of the shorter part runs beside the
+    longer: max(T_C, T_L) fully overlapped (1), T_C + T_L serially (0)."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap {overlap}: valid 0 <= overlap <= 1")
+    return max(tc, tl) + (1.0 - overlap) * min(tc, tl)
+
+
 def choose_share(cost: RestoreCost, n: int, load_weight: Sequence[float],
-                 max_share: float = 1.0, steps: int = 64) -> float:
+                 max_share: float = 1.0, steps: int = 64, overlap: float = 1.0) -> float:
     """The recompute share in [0, max_share] (a grid of ``steps``) minimising
-    max(T_C, T_L); the smallest such share on ties, so a free load recomputes nothing."""
+    ``restore_time`` (max(T_C, T_L) at the paper's full ``overlap``); the smallest such
+    share on ties, so a free load recomputes nothing."""
     L = len(load_weight)
     best, best_t = 0.0, float("inf")
     for s in range(steps + 1):
         share = max_share * s / steps
-        t = max(times(cost, n, pyramid(n, L, share), load_weight))
+        t = restore_time(*times(cost, n, pyramid(n, L, share), load_weight), overlap)
         if t < best_t - 1e-12:
             best, best_t = share, t
     return best

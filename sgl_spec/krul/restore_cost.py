@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from sgl_spec.tiers.arena import Arena
-from .pyramid import RestoreCost, choose_share, pyramid, times
+from .pyramid import RestoreCost, choose_share, pyramid, restore_time, times
 
 TIERS = ("host", "file")
 _FORMAT = 1
@@ -301,11 +301,18 @@ def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.
            "codec": codec, "shape": asdict(shape), "repeats": repeats,
            "recompute_s": recompute_s, "tiers": {}}
     weight = [1.0] * shape.num_layers
+    if pipeline is not None:
+        out["pipeline"] = pipeline
+    # The share a pipelined restore uses: what the pipeline measured it hides, else all.
+    overlap = overlap_of(out)
+    overlap = 1.0 if overlap is None else overlap
+    out["overlap"] = overlap
     for tier in tiers:
         load_s = measure_load(shape, tokens, dtype, codec, tier, repeats, dev)
         cost = RestoreCost(recompute_s, load_s)
-        share = choose_share(cost, tokens, weight)
-        t_split = max(times(cost, tokens, pyramid(tokens, shape.num_layers, share), weight))
+        share = choose_share(cost, tokens, weight, overlap=overlap)
+        t_split = restore_time(*times(cost, tokens, pyramid(tokens, shape.num_layers, share),
+                                      weight), overlap)
         out["tiers"][tier] = {
             "load_s": load_s, "share": share,
             "load_only_s": times(cost, tokens, [0] * shape.num_layers, weight)[1],
@@ -313,8 +320,6 @@ def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.
             "split_s": t_split}
         steps.update()
     steps.close()
-    if pipeline is not None:
-        out["pipeline"] = pipeline
     return out
 
 
@@ -347,12 +352,31 @@ def read_profile(path: str) -> dict:
     return prof
 
 
-def host_share(prof: dict, num_layers: int, load_weight: list[float] | None = None) -> float:
+def overlap_of(prof: dict) -> float | None:
+    """The share of the shorter part of a restore that the pipelined restore ran beside
+    the longer, as the profile measured it (``--pipeline-share``): (T_C + T_L -
+    pipelined) / min(T_C, T_L), in [0, 1]; None where it was not measured."""
+    p = prof.get("pipeline")
+    if not p:
+        return None
+    tc, tl = p["T_C_s"], p["T_L_s"]
+    return min(1.0, max(0.0, (tc + tl - p["pipelined_s"]) / max(min(tc, tl), 1e-12)))
+
+
+def host_share(prof: dict, num_layers: int, load_weight: list[float] | None = None,
+               pipelined: bool = True) -> float:
     """The recompute share for a model of ``num_layers`` from a profile's host tier: T_C
     and T_L both grow with the history, so the share chosen at the profile's length holds
-    for others; ``load_weight`` (per layer, 1 = an own row) as ``pyramid.times``."""
+    for others; ``load_weight`` (per layer, 1 = an own row) as ``pyramid.times``. A
+    serial restore (``pipelined`` False) pays T_C + T_L; a pipelined one max(T_C, T_L)
+    plus what the profile measured it did not hide (``overlap_of``; all hidden where not
+    measured, the paper's model). A profile's ``share`` field fixes the share (a made-up
+    profile for experiments: ``bench.sessions --krul-share``)."""
     if prof["shape"]["num_layers"] != num_layers:
         raise ValueError(f"the restore profile was measured for {prof['shape']['num_layers']} "
                          f"layers; this model has {num_layers}")
+    if prof.get("share") is not None:
+        return float(prof["share"])
     weight = [1.0] * num_layers if load_weight is None else load_weight
-    return choose_share(cost_of(prof, "host"), int(prof["tokens"]), weight)
+    overlap = (1.0 if overlap_of(prof) is None else overlap_of(prof)) if pipelined else 0.0
+    return choose_share(cost_of(prof, "host"), int(prof["tokens"]), weight, overlap=overlap)

@@ -337,13 +337,16 @@ class Compressor:
                 # are alike (--spec-krul-max-error), which is not known up front.
                 L = model_layers(pool.layer_num)
                 try:
-                    self._share = host_share(read_profile(self.cfg.profile_path), L)
+                    self._share = host_share(read_profile(self.cfg.profile_path), L,
+                                             pipelined=self.recompute.pipelined)
                 except (OSError, ValueError) as exc:  # the launcher checked it; moved since
                     logger.error("sgl_spec krul: --spec-krul-profile %s: %s; restores load "
                                  "every row", self.cfg.profile_path, exc)
                     return self._share
                 logger.info("sgl_spec krul: restore profile %s: recompute share %.3f of "
-                            "each demoted history", self.cfg.profile_path, self._share)
+                            "each demoted history (a %s restore)", self.cfg.profile_path,
+                            self._share,
+                            "pipelined" if self.recompute.pipelined else "serial")
         return self._share
 
     def unstored(self, pool: KrulHostPool, node) -> list[int]:

@@ -11,7 +11,8 @@ it computes itself, so it can overlap the load (``--spec-krul-restore pipelined`
 ``auto``, the default, pipelines on a GPU only): ``start`` issues it and returns;
 sglang's loader then copies the stored rows (on a CPU in line, in the scheduler thread,
 while the pre-pass runs on a worker thread; on a GPU on the loader's stream, while the
-pre-pass's kernels run on the compute stream: unverified, no GPU run yet); ``join``,
+pre-pass's kernels run on the compute stream: not served on a GPU; timed there outside
+sglang by ``calibrate restore --pipeline-share``); ``join``,
 called once the load ran and before the batch that reads those rows, waits for it.
 ``serial`` runs the pre-pass to completion first (what the overlap is measured against:
 the restore clock's ``recompute_seconds``, ``load_seconds`` and ``overlap_seconds``).
