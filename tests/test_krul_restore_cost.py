@@ -76,6 +76,19 @@ def test_pipeline_restore_fills_every_row(tiny_config, device):
     assert 0.5 <= p["max_over_sum"] < 1 and len(p["runs_s"]["pipelined"]) == 1
 
 
+def test_a_profile_with_the_pipeline_costs_what_the_pre_pass_costs(tiny_config):
+    """With ``pipeline_share`` the profile's recompute cost is the served pre-pass's own
+    (a full forward's is kept beside it) and its overlap is the measured one."""
+    prof = restore_cost.profile(tiny_config, tokens=64, repeats=1, random_weights=True,
+                                codec="full", tiers=("host",), progress=False,
+                                pipeline_share=0.5)
+    p = prof["pipeline"]
+    assert prof["recompute_s"] == pytest.approx(p["T_C_s"] / p["recompute_token_layers"])
+    assert prof["forward_recompute_s"] > 0
+    assert prof["overlap"] == pytest.approx(restore_cost.overlap_of(prof))
+    assert 0 <= prof["overlap"] <= 1
+
+
 def test_the_share_follows_the_overlap_the_restore_has():
     """A serial restore pays T_C + T_L: with a row's recompute dearer than its load it
     recomputes nothing, where the paper's overlapped model balances the two. A measured

@@ -148,7 +148,9 @@ def _restore(ap: argparse.ArgumentParser, args) -> int:
     print(f"{prof['hardware']} ({prof['device']}, {prof['dtype']}), {n} tokens x {L} layers, "
           f"codec {prof['codec']}")
     print(f"recompute: {prof['recompute_s'] * 1e6:.3f} us per token-layer "
-          f"({prof['recompute_s'] * n * L:.3f} s for the whole history)")
+          f"({prof['recompute_s'] * n * L:.3f} s for the whole history)"
+          + (f"; the pre-pass's own (a full forward: {prof['forward_recompute_s'] * 1e6:.3f})"
+             if "forward_recompute_s" in prof else ""))
     print("tier   load us/row   load-only s   best share   restore s (split)")
     for tier, t in prof["tiers"].items():
         print(f"{tier:5s}  {t['load_s'] * 1e6:11.4f}   {t['load_only_s']:11.3f}   "
@@ -320,8 +322,12 @@ def _plot_decode(prof: dict, path: str) -> str:
     fig, ax = plt.subplots(figsize=(6, 4))
     h = prof["histories"]
     mode = f"{prof['decode']['mode']} B={prof['decode']['budget']}"
-    for label, med, runs in (("exact", prof["exact_s"], prof["exact_runs_s"]),
-                             (mode, prof["sparse_s"], prof["sparse_runs_s"])):
+    rows = [("exact", prof["exact_s"], prof["exact_runs_s"]),
+            (mode, prof["sparse_s"], prof["sparse_runs_s"])]
+    if "offload_s" in prof:
+        rows.append((f"{mode}, {len(prof['offload_layers'])} layers on the host",
+                     prof["offload_s"], prof["offload_runs_s"]))
+    for label, med, runs in rows:
         lo = [m * 1e3 - min(r) * 1e3 for m, r in zip(med, runs)]
         hi = [max(r) * 1e3 - m * 1e3 for m, r in zip(med, runs)]
         ax.errorbar(h, [m * 1e3 for m in med], yerr=[lo, hi], marker="o", capsize=3,
@@ -329,7 +335,8 @@ def _plot_decode(prof: dict, path: str) -> str:
     if prof["crossover"] is not None:
         ax.axvline(prof["crossover"], color="grey", ls="--", label="sparse from here")
     ax.set(xscale="log", xlabel="history (tokens)", ylabel="ms per decode step (attention + plan)",
-           title=f"{prof['hardware']}, batch {prof['batch']}, {prof['threads']} threads")
+           title=f"{prof.get('gpu') or prof['hardware']}, batch {prof['batch']}"
+                 + ("" if prof.get("gpu") else f", {prof['threads']} threads"))
     plots.finish_axes(ax)
     return plots.save(fig, path)
 
