@@ -76,6 +76,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-nd", "decode", "nd", "int",
          "loopserve: reselection interval in decode steps, and the number of recent "
          "decoded queries that score the history.", lo=1),
+    Flag("--spec-lookahead", "decode", "lookahead", "int",
+         "loopserve: each history position is scored by the largest attention mass among "
+         "itself and the N positions before it, so the selection keeps what follows an "
+         "attended token before the answer reads it (0: LoopServe's own score).", lo=0),
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
@@ -305,6 +309,7 @@ class DecodeConfig:
     sink: int = 4
     window: int = 64
     nd: int = 16
+    lookahead: int = 0
     min_context: int = 2048
     first_select_step: int = 16
     draft_path: str = ""
@@ -343,6 +348,10 @@ class DecodeConfig:
             raise ValueError("--spec-dense-layers is read only with a sparse --spec-mode "
                              "(got exact, where every layer is dense); valid: drop it, or "
                              f"--spec-mode {' / '.join(m for m in MODES if m != 'exact')}")
+        if self.lookahead != DecodeConfig.lookahead and self.mode != "loopserve":
+            raise ValueError(f"--spec-lookahead is read only with --spec-mode loopserve (got "
+                             f"--spec-mode {self.mode}); valid: drop it, or --spec-mode "
+                             "loopserve")
         if self.offload != "off" and self.mode != "specontext":
             raise ValueError(f"--spec-offload {self.offload} needs --spec-mode specontext (got "
                              f"{self.mode}: only its rows read offloaded layers through "

@@ -1,5 +1,5 @@
-"""The first-selection probe's parts without a model: the look-ahead score, the value's
-token positions and the kept share on hand-made queries and keys."""
+"""The first-selection probe's parts without a model: the value's token positions and the
+kept share on hand-made queries and keys (the look-ahead score: tests/test_scoring.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,7 @@ import torch
 from sgl_spec.bench import first_selection as fs
 from sgl_spec.bench.qk_capture import LayerQK
 from sgl_spec.config import DecodeConfig
-
-
-def test_ahead_gives_each_position_the_largest_score_before_it():
-    x = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 1.0]])
-    assert fs.ahead(x, 2).tolist() == [[0.0, 5.0, 5.0, 5.0, 0.0, 1.0]]
-    assert torch.equal(fs.ahead(x, 0), x)
+from sgl_spec.sparse.scoring import look_ahead
 
 
 def test_value_positions_are_the_value_tokens_inside_the_planted_sentence(hf_tok):
@@ -36,7 +31,7 @@ def test_kept_share_follows_where_the_ring_looks():
     q = torch.zeros(prompt + 3, 1, d)
     q[:, 0, 0] = 1.0
     layer = LayerQK(q, k, k)
-    scores = {"mass": fs.SCORES["mass"], "ahead-4": lambda m: fs.ahead(m, 4)}
+    scores = {"mass": fs.SCORES["mass"], "ahead-4": lambda m, lo: look_ahead(m, 4, lo)}
     share = fs.kept_share([layer], prompt, [14], cfg, 1.0, scores)
     assert share == {"mass": 0.0, "ahead-4": 1.0}
     assert fs.kept_share([layer], prompt, [10, 4], cfg, 1.0, scores)["mass"] == 1.0

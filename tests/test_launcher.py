@@ -413,6 +413,11 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
     if given_.get("--spec-dense-layers") and given_.get("--spec-mode", "exact") == "exact":
         assert got == 2 and "--spec-dense-layers is read only with a sparse --spec-mode" in err
         return
+    lookahead = spec_config.DecodeConfig.lookahead
+    if given_.get("--spec-lookahead", lookahead) != lookahead and \
+            given_.get("--spec-mode", "exact") != "loopserve":
+        assert got == 2 and "--spec-lookahead is read only with --spec-mode loopserve" in err
+        return
     offload = given_.get("--spec-offload", "off")
     kv_bytes = given_.get("--spec-offload-kv-bytes", 0)
     if offload != "off" and given_.get("--spec-mode", "exact") != "specontext":

@@ -180,3 +180,18 @@ def test_long_context_prompts_real_tokenizer(hf_tok):
 def test_longgen_score():
     assert longgen.score([1, 2, 3], [1, 2, 4]) == Agreement(2, 2 / 3)
     assert longgen.summarize([longgen.score([1], [1])])["identical"] == 1
+
+
+def test_look_ahead_gives_each_position_the_largest_mass_before_it_past_the_sink():
+    import torch
+
+    from sgl_spec.sparse.scoring import look_ahead
+
+    x = torch.tensor([[[9.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0]]])  # [R=1, Hkv=1, N=7]
+    lo = torch.tensor([1])  # position 0 is the sink: its 9 reaches no one
+    assert look_ahead(x, 2, lo).tolist() == [[[0.0, 0.0, 5.0, 5.0, 5.0, 0.0, 1.0]]]
+    assert torch.equal(look_ahead(x, 0, lo), x)
+    two = torch.stack([x[0], x[0]])  # rows with their own sinks
+    out = look_ahead(two, 1, torch.tensor([0, 3]))
+    assert out[0, 0].tolist() == [9.0, 9.0, 5.0, 5.0, 0.0, 0.0, 1.0]
+    assert out[1, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]

@@ -380,6 +380,26 @@ def test_loopserve_selects_planted_keys_per_layer():
     pol.release("r")
 
 
+def test_loopserve_lookahead_keeps_what_follows_an_attended_key():
+    """--spec-lookahead W: the positions after a key the ring attends are selected with
+    it (what the answer reads next), where LoopServe's own score keeps the key alone."""
+    dirs = unit_dirs(7)
+    keys = noise_keys(300, 11)
+    keys[90] = 4.0 * dirs
+    got = {}
+    for width in (0, 6):
+        cfg = dataclasses.replace(CFG, mode="loopserve", lookahead=width)
+        pol = get_policy("loopserve", cfg, SHAPE)
+        log = run_loopserve(pol, "r", 200, 17, keys_of=lambda n, layer: keys[:n],
+                            q_of=lambda s, layer: aligned_query(dirs, s, strength=6.0))
+        sel = log[16][2][0]  # [Hkv, B] at the first selection, layer 0
+        assert_valid_selection(sel, log[16][1], 217)
+        got[width] = [bool((sel == p).any(dim=1).all()) for p in range(90, 97)]
+        pol.release("r")
+    assert got[0][0] and not all(got[0][1:])
+    assert all(got[6])
+
+
 def test_loopserve_selection_sees_the_current_query():
     """Only the query of the selecting step points at the planted key."""
     pol = get_policy("loopserve", CFG, SHAPE)

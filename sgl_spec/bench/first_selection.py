@@ -10,8 +10,9 @@ selection step: the ring of decode steps 0..n_d-1 scores the history
 outside the sink and the recent window (``select_topk``). Reported per probe and score
 (``SCORES``): the share of (layer, KV head) pairs whose selection holds every token of
 the value. The ``ahead-W`` scores give each position the largest mass of the W positions
-before it (what follows an attended token: the value comes after the subject the ring
-restates).
+before it, the sink's passing nothing on (``scoring.look_ahead``, served as
+``--spec-lookahead W``: what follows an attended token, as the value follows the subject
+the ring restates).
 
     python -m sgl_spec.bench.first_selection --out DIR [--seed 0] [--budget 1024]
 """
@@ -22,26 +23,18 @@ import dataclasses
 import statistics
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from sgl_spec.bench import cli
 from sgl_spec.config import DecodeConfig
-from sgl_spec.sparse.scoring import score_history, select_topk
-
-
-def ahead(scores: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., N] -> [..., N]: position n gets the largest of scores[n - width .. n]."""
-    x = scores.reshape(-1, 1, scores.shape[-1])
-    x = F.max_pool1d(F.pad(x, (width, 0), value=float("-inf")), width + 1, stride=1)
-    return x.view(scores.shape)
+from sgl_spec.sparse.scoring import look_ahead, score_history, select_topk
 
 
 SCORES = {
-    "mass": lambda mass: mass,  # LoopServe's (served)
-    "ahead-16": lambda mass: ahead(mass, 16),
-    "ahead-32": lambda mass: ahead(mass, 32),
-    "ahead-64": lambda mass: ahead(mass, 64),
+    "mass": lambda mass, lo: mass,  # LoopServe's own
+    "ahead-16": lambda mass, lo: look_ahead(mass, 16, lo),  # --spec-lookahead 16
+    "ahead-32": lambda mass, lo: look_ahead(mass, 32, lo),
+    "ahead-64": lambda mass, lo: look_ahead(mass, 64, lo),
 }
 
 
@@ -62,7 +55,7 @@ def kept_share(layers, prompt_len: int, value_pos: list[int], cfg: DecodeConfig,
         mass = score_history(lq.q[q_pos][None], lq.k[:n_keys][None], scale,
                              q_pos[None], torch.tensor([n_keys]))  # [1, Hkv, N]
         for name, fn in scores.items():
-            sel = select_topk(fn(mass), cfg.budget, lo, hi)[0]  # [Hkv, B]
+            sel = select_topk(fn(mass, lo), cfg.budget, lo, hi)[0]  # [Hkv, B]
             hits[name] += [bool(torch.isin(want, sel[h]).all()) for h in range(sel.shape[0])]
     return {name: sum(h) / len(h) for name, h in hits.items()}
 

@@ -7,6 +7,9 @@ scores the history by the attention those queries pay it (``score_history``: cau
 softmax per query over the full history, summed over the queries and the query heads
 of each KV head's group; Eq. 7), batched over the rows that reselect, and each KV
 head keeps its top ``budget`` positions outside the sink and the recent window.
+``--spec-lookahead W`` scores each position by the largest mass of the W before it
+(``scoring.look_ahead``): what follows an attended token is kept before the decode
+reads it (a value after the subject the answer restates; issue 47).
 
 The current step's query is in the ring when it selects (Algorithm 3 observes
 ``X_i[|X_i| - n_d : |X_i|]``, the current token included). A selection fixes
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .policy import Kind, ReselectBatch, RequestState, RowStep, SelectionPolicy
-from .scoring import score_history, select_topk
+from .scoring import look_ahead, score_history, select_topk
 from .slots import BufferSpec
 
 
@@ -88,5 +91,6 @@ class LoopServePolicy(SelectionPolicy):
         ring = self.slots.rows("ring", layer, batch.slots)  # [R, nd, Hq, D]
         scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens)  # [R, Hkv, N]
+        scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
         sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi)
         self.slots.write("sel", layer, batch.slots, sel)

@@ -85,6 +85,26 @@ def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
     return fn(x, kernel, stride=1, padding=kernel // 2).view(scores.shape)
 
 
+def look_ahead(
+    scores: torch.Tensor,  # [R, Hkv, N] fp32, a history's attention mass
+    width: int,
+    lo: torch.Tensor,  # [R] int64: the sink's end (its mass is not passed on)
+) -> torch.Tensor:  # [R, Hkv, N]: position n scores max(scores[n - width .. n])
+    """Each position scored by the largest mass among itself and the ``width`` positions
+    before it, outside the sink (issue 47). A decode that restates what it attended, a
+    subject say, reads next what follows it (the value), which its queries have not yet
+    paid attention to: the top-B of these scores keeps spans that start at attended
+    tokens. The sink's positions pass nothing on (their mass is large and says nothing
+    about what follows them). ``width`` 0: the scores as they are."""
+    if width <= 0 or scores.shape[-1] == 0:
+        return scores
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    x = scores.masked_fill((cols[None, :] < lo.to(scores.device)[:, None])[:, None, :], 0.0)
+    x = x.reshape(-1, 1, x.shape[-1])
+    x = F.max_pool1d(F.pad(x, (width, 0), value=0.0), width + 1, stride=1)
+    return x.view(scores.shape)
+
+
 def select_topk(
     scores: torch.Tensor,  # [R, Hkv, >= max(hi)] fp32
     budget: int,
