@@ -448,10 +448,11 @@ def hidden_share(sparse_s: float, offload_s: float, copy_s: float) -> float | No
     return min(1.0, max(0.0, 1.0 - (offload_s - sparse_s) / copy_s))
 
 
-def trace(model_path: str, cfg: DecodeConfig, history: int, batch: int = 1, steps: int = 8,
-          dtype: str = "bfloat16", device: str = "cpu") -> str:
-    """Where a sparse step's time goes: ``steps`` decode steps of the sparse row at
-    ``history`` (after a warm-up) under ``torch.profiler``, the step's stages as ranges
+def trace(model_path: str, cfg: DecodeConfig, history: int, batch: int = 1,
+          steps: int | None = None, dtype: str = "bfloat16", device: str = "cpu") -> str:
+    """Where a sparse step's time goes: ``steps`` decode steps (default 8; LoopServe's
+    ``nd``, one reselection among them) of the sparse row at ``history`` (after a warm-up)
+    under ``torch.profiler``, the step's stages as ranges
     (``plan``: the head's query and scores, the selection, the elastic plan and the
     prefetch's start; ``head capture``: the head's keys for the new token; ``layer``:
     one layer's attention). Returns the profiler's table of ops and ranges by host time
@@ -459,11 +460,15 @@ def trace(model_path: str, cfg: DecodeConfig, history: int, batch: int = 1, step
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     check(cfg, (history,), device)
+    if steps is None:  # LoopServe: one reselection interval, so one reselection is in it
+        steps = cfg.nd if cfg.mode == "loopserve" else 8
     shape, hidden, vocab = model_shape(model_path, getattr(torch, dtype))
     head = _load_head(cfg, device) if cfg.retrieval_head else None
+    # LoopServe decodes densely until its first selection: warm up past it, as profile.
+    warm = cfg.first_select_step + 2 if cfg.mode == "loopserve" else 3
     b = _Bench(dataclasses.replace(cfg, min_context=0), shape, hidden, vocab, batch, history,
-               steps + 3, head, device=device)
-    for _ in range(3):
+               steps + warm, head, device=device)
+    for _ in range(warm):
         b.step()
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

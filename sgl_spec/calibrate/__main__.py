@@ -306,8 +306,9 @@ def _decode(dp: argparse.ArgumentParser, args) -> int:
         table = step_cost.trace(model, cfg, max(prof["histories"]), batch=args.batch,
                                 dtype=dtype, device=args.device)
         with open(args.trace, "w") as f:
+            n = cfg.nd if cfg.mode == "loopserve" else 8
             f.write(f"{cfg.mode} B={cfg.budget}, {max(prof['histories'])} tokens x "
-                    f"{args.batch}, 8 steps, {prof.get('gpu') or prof['hardware']}\n\n{table}")
+                    f"{args.batch}, {n} steps, {prof.get('gpu') or prof['hardware']}\n\n{table}")
         print(f"trace: {os.path.abspath(args.trace)}")
     print(os.path.abspath(out))
     return 0
