@@ -427,6 +427,21 @@ def test_training_capture_keeps_only_the_last_logits_and_the_same_targets(model_
     rec.rows = None
 
 
+def _shape_and_head(tmp_path, layers: int, aux: tuple[int, ...]) -> tuple[str, DecodeConfig]:
+    """A model directory with the default model's attention shape (config.json only) and
+    a random head for it; the SpeContext config at B=256 that reads them."""
+    model = tmp_path / "model"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json.dumps({
+        "num_hidden_layers": layers, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "vocab_size": 1000}))
+    hcfg = HeadConfig(hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      vocab_size=1000, target_hidden_size=576, aux_layers=aux)
+    eagle3.save(str(tmp_path / "head"), hcfg, random_weights(hcfg))
+    return str(model), DecodeConfig(mode="specontext", budget=256,
+                                    draft_path=str(tmp_path / "head"))
+
+
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
@@ -437,16 +452,8 @@ def test_calibrate_decode_times_the_path_served_on_the_device(tmp_path, device):
     kernel is the Triton one, as a GPU server runs them."""
     from sgl_spec.attention import step_cost
 
-    model = tmp_path / "model"
-    model.mkdir()
-    model.joinpath("config.json").write_text(json.dumps({
-        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576, "vocab_size": 1000}))
-    hcfg = HeadConfig(hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab_size=1000, target_hidden_size=576, aux_layers=(1, 14, 26))
-    eagle3.save(str(tmp_path / "head"), hcfg, random_weights(hcfg))
-    cfg = DecodeConfig(mode="specontext", budget=256, draft_path=str(tmp_path / "head"))
-    prof = step_cost.profile(str(model), cfg, (1024, 2048), steps=6, repeats=1,
+    model, cfg = _shape_and_head(tmp_path, 30, (1, 14, 26))
+    prof = step_cost.profile(model, cfg, (1024, 2048), steps=6, repeats=1,
                              progress=False, device=device)
     assert prof["device"] == device and ("gpu" in prof) == (device == "cuda")
     assert all(t > 0 for t in prof["exact_s"] + prof["sparse_s"])
@@ -468,15 +475,7 @@ def test_calibrate_decode_offload_row_reads_the_host(tmp_path, device, monkeypat
     from sgl_spec.attention import step_cost
     from sgl_spec.kernels import sparse_decode
 
-    model = tmp_path / "model"
-    model.mkdir()
-    model.joinpath("config.json").write_text(json.dumps({
-        "num_hidden_layers": 6, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "hidden_size": 576, "vocab_size": 1000}))
-    hcfg = HeadConfig(hidden_size=576, num_q_heads=9, num_kv_heads=3, head_dim=64,
-                      vocab_size=1000, target_hidden_size=576, aux_layers=(1, 3, 4))
-    eagle3.save(str(tmp_path / "head"), hcfg, random_weights(hcfg))
-    cfg = DecodeConfig(mode="specontext", budget=256, draft_path=str(tmp_path / "head"))
+    model, cfg = _shape_and_head(tmp_path, 6, (1, 3, 4))
     reads = []
     copy = sparse_decode.copy_rows
 
@@ -494,7 +493,7 @@ def test_calibrate_decode_offload_row_reads_the_host(tmp_path, device, monkeypat
             assert pk.is_cuda, "a host gather (the reference) ran for a pinned host pool"
             return ref(sk, sv, pk, pv, dst, src)
         monkeypatch.setattr(reference, "copy_rows_reference", no_host_gather)
-    prof = step_cost.profile(str(model), cfg, (1024,), steps=4, repeats=1, progress=False,
+    prof = step_cost.profile(model, cfg, (1024,), steps=4, repeats=1, progress=False,
                              device=device, offload_layers=4)
     assert prof["offload_layers"] == [2, 3, 4, 5]
     assert prof["offload_s"][0] > 0 and prof["host_copy_s"][0] > 0

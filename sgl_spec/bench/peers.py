@@ -4,7 +4,7 @@ What a person serving a 0.5B model on a CPU would otherwise run: ``llama-server`
 GGUF, a prompt cache reused across turns, parallel slots, an OpenAI-compatible API).
 Never a dependency of sgl_spec and never built in CI:
 
-    python -m sgl_spec.bench.peers build            # once: ~10-15 min on 2 cores
+    python -m sgl_spec.bench.peers build            # once (minutes: it compiles)
     python -m sgl_spec.bench.peers gguf --model-path DIR [--outtype bf16]
     python -m sgl_spec.bench.peers serve --gguf FILE [--port 30100] [--parallel 4]
 

@@ -9,7 +9,7 @@ from two measured costs (``pyramid.RestoreCost``):
   random ids; its weights do not change the time, so ``--random-weights`` builds the
   model from its config alone, for hosts that have the config but not the weights);
   with ``--pipeline-share``, the served pre-pass's own cost instead (``measure_pipeline``:
-  its launches make it several times a forward's on a GPU at 8k tokens), and the share
+  on a GPU its kernel launches can cost more than a forward's), and the share
   of a restore the pipeline hid (``overlap_of``), which ``host_share`` then uses;
 * ``load_s`` per tier: seconds per row (one token, one layer, K and V) to bring a
   stored conversation into a device KV buffer: ``host`` reads the arena through its
@@ -304,8 +304,8 @@ def profile(model_path: str, *, device: str = "cpu", dtype: torch.dtype = torch.
            "codec": codec, "shape": asdict(shape), "repeats": repeats,
            "recompute_s": recompute_s, "tiers": {}}
     if pipeline is not None:
-        # The served pre-pass, timed, costs what a restore pays (on a GPU at short
-        # histories several times a full forward's token-layer: its launches).
+        # The served pre-pass, timed, costs what a restore pays (on a GPU its kernel
+        # launches can cost more per token-layer than a full forward's).
         out["forward_recompute_s"] = recompute_s
         out["recompute_s"] = recompute_s = (pipeline["T_C_s"]
                                             / max(1, pipeline["recompute_token_layers"]))
