@@ -233,7 +233,6 @@ class _Bench:
                               self.shape.sm_scale)
         self.lens = [s + 1 for s in self.lens]
 
-
     def host_copy_s(self, repeats: int = 3) -> float:
         """Seconds of the last pass's loads of the host layers alone (the elastic loads
         and the decoded token's row, every host layer, on the current stream, synced):
