@@ -68,3 +68,46 @@ def test_side_by_side_questions_rotate_the_rows():
     orders = [rounds.turn_order(rows, j) for j in range(6)]
     assert all(sorted(o) == sorted(rows) for o in orders)
     assert [o[0] for o in orders] == rows * 2  # each row first as often as the others
+
+
+def _recall_run(tmp_path, name, part, answers, **cfg):
+    import json
+
+    d = tmp_path / name
+    d.mkdir()
+    config = {"model": "m", "layers": 24, "watershed": 12, "rows": ["exact", "round-topk"],
+              "seed": 0, "round_tokens": [300, 420], "conversations": 18,
+              "rounds_range": [20, 40], "part": part, **cfg}
+    played = {row: [{"answers": [{"position": p, "text": t, "gold": "1", "em": t == "1"}
+                                 for p, t in zip(rounds.POSITIONS, answers[row])],
+                     "kept_share": None if row == "exact" else 0.2}]
+              for row in config["rows"]}
+    (d / "results.json").write_text(json.dumps({"meta": {"git": name}, "workload": "recall",
+                                                "config": config, "played": played}))
+    return str(d)
+
+
+def test_recall_parts_pool_into_one_table(tmp_path):
+    a = _recall_run(tmp_path, "a", [0, 1], {"exact": "111", "round-topk": "101"})
+    b = _recall_run(tmp_path, "b", [1, 2], {"exact": "011", "round-topk": "111"})
+    res = rounds.pool_recall([a, b])
+    s = res["summary"]
+    assert s["exact"]["em"] == {"early": 50.0, "middle": 100.0, "recent": 100.0}
+    assert s["round-topk"]["em"] == {"early": 100.0, "middle": 50.0, "recent": 100.0}
+    assert s["round-topk"]["em_vs_exact"]["early"] == 50.0
+    assert s["round-topk"]["greedy_agreement"] == pytest.approx(4 / 6)
+    assert res["config"]["part"] == [0, 1] and s["round-topk"]["n"] == 6
+    md = rounds.markdown(res)
+    assert "2 of them: 2 question(s) per position" in md
+    c = _recall_run(tmp_path, "c", [1, 3], {"exact": "111", "round-topk": "111"})
+    with pytest.raises(ValueError, match="another run played"):
+        rounds.pool_recall([a, b, c])
+    d = _recall_run(tmp_path, "d", [5, 6], {"exact": "111", "round-topk": "111"}, watershed=11)
+    with pytest.raises(ValueError, match="watershed"):
+        rounds.pool_recall([a, d])
+
+
+def test_a_part_outside_the_preset_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        rounds.main(["--workload", "speed", "--part", "0", "2", "--out", "/tmp/x"])
+    assert e.value.code == 2 and "--part A B needs --workload recall" in capsys.readouterr().err

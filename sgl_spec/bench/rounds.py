@@ -35,6 +35,13 @@ Workloads (``--workload``):
     python -m sgl_spec.bench.rounds --workload speed --rows exact round --rounds 3 --out DIR
     python -m sgl_spec.bench.rounds --workload speed --rows exact round --conversations 4 --out DIR
     python -m sgl_spec.bench.rounds --workload recall --quick --out DIR
+    python -m sgl_spec.bench.rounds --workload recall --part 2 6 --out DIR   # a slice of it
+    python -m sgl_spec.bench.rounds --pool DIR DIR ... --out DIR           # parts, as one
+
+The full recall preset is hours on a CPU: ``--part A B`` plays its conversations A..B-1
+(the same conversations, questions and budget as the whole preset), and ``--pool`` sums
+parts of one preset (same model, L_w, rows and seed; no conversation twice) into one
+table.
 
 Every row reads L_w from ``--watershed`` or the model's calibrated profile
 (``python -m sgl_spec.calibrate watershed``).
@@ -302,6 +309,44 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
     return out
 
 
+def pool_recall(dirs: list[str]) -> dict:
+    """The recall runs in ``dirs`` (parts of one preset) as one result: their answers
+    joined per row, summarised again. Raises ValueError on runs that do not belong
+    together."""
+    import json
+
+    runs = []
+    for d in dirs:
+        with open(os.path.join(d, "results.json")) as f:
+            runs.append(json.load(f))
+    if any(r["workload"] != "recall" for r in runs):
+        raise ValueError("--pool takes recall runs only")
+    same = ("model", "layers", "watershed", "rows", "seed", "round_tokens", "conversations")
+    first = runs[0]["config"]
+    for d, r in zip(dirs, runs, strict=True):
+        diff = [k for k in same if r["config"].get(k) != first.get(k)]
+        if diff:
+            raise ValueError(f"{d} differs from {dirs[0]} in {', '.join(diff)}")
+    seen: set[int] = set()
+    for d, r in zip(dirs, runs, strict=True):
+        lo, hi = r["config"].get("part") or (0, r["config"]["conversations"])
+        if seen & set(range(lo, hi)):
+            raise ValueError(f"{d} plays conversations another run played")
+        seen |= set(range(lo, hi))
+    played = {row: [{"answers": [a for r in runs for a in r["played"][row][0]["answers"]],
+                     "kept_share": statistics.mean(r["played"][row][0]["kept_share"]
+                                                   for r in runs)
+                     if all(r["played"][row][0]["kept_share"] is not None for r in runs)
+                     else None}]
+              for row in first["rows"]}
+    cfg = dict(first, part=sorted(seen), pooled=dirs)
+    return {"meta": {"git": [r["meta"].get("git") for r in runs],
+                     "pooled": [r["meta"] for r in runs]}, "workload": "recall",
+            "config": cfg, "summary": summarize("recall", played, first["layers"],
+                                                first["watershed"]),
+            "played": played}
+
+
 def markdown(res: dict) -> str:
     w, s = res["workload"], res["summary"]
     lines = [f"# Round Attention: {w}", "",
@@ -338,7 +383,15 @@ def markdown(res: dict) -> str:
                          f"{cell(r.get('ttft_vs_exact'))} | {cell(r.get('decode_vs_exact'))} | "
                          f"{cell(r.get('output_vs_exact'))} | {cell(r['kept_share'], '.3f')} |")
     else:
-        lines += ["| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
+        c = res["config"]
+        played = c.get("part") or [0, c["conversations"]]
+        played = (f"{len(played)} of them" if len(played) != 2 or "pooled" in c
+                  else f"numbers {played[0]}-{played[1] - 1}")
+        n = next(iter(s.values()))["n"] // len(POSITIONS)
+        lines += [f"Preset: {c['conversations']} conversations of {c['rounds_range'][0]}-"
+                  f"{c['rounds_range'][1]} rounds (seed {c['seed']}); played {played}: "
+                  f"{n} question(s) per position.", "",
+                  "| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
                   "|---|---|---|---|---|"]
         for row, r in s.items():
             lines.append(f"| {row} | {cell(r['em'])} | {cell(r.get('em_vs_exact'), 'd')} | "
@@ -375,9 +428,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="prose tokens of a round's user turn (default 60 120; recall 300 420: "
                     "8k-16k tokens of history, for the long-context model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--part", type=int, nargs=2, default=None, metavar=("A", "B"),
+                    help="recall: play only the preset's conversations A..B-1 (pool the "
+                    "parts with --pool)")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="DIR",
+                    help="sum the recall results of these runs (parts of one preset) "
+                    "into --out, and run nothing")
     ap.add_argument("--server-flags", default="", metavar="'FLAGS'",
                     help="flags appended to every row's server, one string")
     args = ap.parse_args(argv)
+    if args.pool:
+        try:
+            res = pool_recall(args.pool)
+        except ValueError as e:
+            ap.error(str(e))
+        md = markdown(res)
+        cli.write_results(args.out, res, md)
+        print(md)
+        return
+    if args.part is not None and (args.workload != "recall" or not
+                                  0 <= args.part[0] < args.part[1]):
+        ap.error("--part A B needs --workload recall and 0 <= A < B")
     if args.round_tokens is None:
         args.round_tokens = (300, 420) if args.workload == "recall" and not args.quick \
             else (60, 120)
@@ -465,8 +536,13 @@ def main(argv: list[str] | None = None) -> None:
         rr = (20, 24) if q else (20, 40)
         convs = recall_set(tok, n, rr, tuple(args.round_tokens), args.seed)
         longest = max(n_tokens(tok, c.messages) for c, _ in convs)
-        cfg.update(conversations=n, rounds_range=list(rr), longest_history=longest)
-        budget = int(longest * 2) + 2048
+        budget = int(longest * 2) + 2048  # the whole preset's, so parts run alike
+        part = args.part or (0, n)
+        if part[1] > n:
+            ap.error(f"--part {part[0]} {part[1]}: the preset has {n} conversations")
+        convs = convs[part[0]:part[1]]
+        cfg.update(conversations=n, rounds_range=list(rr), longest_history=longest,
+                   part=list(part))
         total = len(rows) * args.rounds * sum(c.rounds + len(a) for c, a in convs)
         work = lambda server, row, bar: play_recall(server, row, convs, bar)  # noqa: E731
     meta, watch = cli.start_meta(model, rounds=args.rounds, workload=args.workload)
