@@ -182,16 +182,33 @@ def test_longgen_score():
     assert longgen.summarize([longgen.score([1], [1])])["identical"] == 1
 
 
-def test_look_ahead_gives_each_position_the_largest_mass_before_it_past_the_sink():
+def test_look_ahead_adds_the_largest_mass_before_each_position_past_the_sink():
     import torch
 
     from sgl_spec.sparse.scoring import look_ahead
 
     x = torch.tensor([[[9.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0]]])  # [R=1, Hkv=1, N=7]
     lo = torch.tensor([1])  # position 0 is the sink: its 9 reaches no one
-    assert look_ahead(x, 2, lo).tolist() == [[[0.0, 0.0, 5.0, 5.0, 5.0, 0.0, 1.0]]]
+    # own mass + the largest of itself and the 2 before it: 5 counts twice where it is
+    assert look_ahead(x, 2, lo).tolist() == [[[9.0, 0.0, 10.0, 5.0, 5.0, 0.0, 2.0]]]
     assert torch.equal(look_ahead(x, 0, lo), x)
     two = torch.stack([x[0], x[0]])  # rows with their own sinks
     out = look_ahead(two, 1, torch.tensor([0, 3]))
-    assert out[0, 0].tolist() == [9.0, 9.0, 5.0, 5.0, 0.0, 0.0, 1.0]
-    assert out[1, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert out[0, 0].tolist() == [18.0, 9.0, 10.0, 5.0, 0.0, 0.0, 2.0]
+    assert out[1, 0].tolist() == [9.0, 0.0, 5.0, 0.0, 0.0, 0.0, 2.0]
+
+
+def test_ties_go_to_the_earlier_position_whatever_the_batch():
+    import torch
+
+    from sgl_spec.sparse.scoring import select_topk
+
+    flat = torch.zeros(1, 1, 64)
+    flat[0, 0, 10:30] = 1.0  # a plateau of 20 equal scores, 8 of them selected
+    lo, hi = torch.tensor([2]), torch.tensor([60])
+    one = select_topk(flat, 8, lo, hi, first_of_ties=True)
+    assert one[0, 0].tolist() == list(range(10, 18))
+    batch = torch.cat([torch.rand(3, 1, 64), flat])  # the same row beside others
+    many = select_topk(batch, 8, torch.tensor([2] * 4), torch.tensor([60] * 4),
+                       first_of_ties=True)
+    assert torch.equal(many[3], one[0])

@@ -7,9 +7,11 @@ scores the history by the attention those queries pay it (``score_history``: cau
 softmax per query over the full history, summed over the queries and the query heads
 of each KV head's group; Eq. 7), batched over the rows that reselect, and each KV
 head keeps its top ``budget`` positions outside the sink and the recent window.
-``--spec-lookahead W`` scores each position by the largest mass of the W before it
-(``scoring.look_ahead``): what follows an attended token is kept before the decode
-reads it (a value after the subject the answer restates; issue 47).
+``--spec-lookahead W`` (default 16; 0 is the paper's score) adds to each position's mass
+the largest mass of the W before it (``scoring.look_ahead``): what follows an attended
+token is kept before the decode reads it (a value after the subject the answer restates;
+issue 47). Its equal scores go to the earlier position, so a row selects alike in any
+batch.
 
 The current step's query is in the ring when it selects (Algorithm 3 observes
 ``X_i[|X_i| - n_d : |X_i|]``, the current token included). A selection fixes
@@ -92,5 +94,6 @@ class LoopServePolicy(SelectionPolicy):
         scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens)  # [R, Hkv, N]
         scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
-        sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi)
+        sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
+                          first_of_ties=self.cfg.lookahead > 0)
         self.slots.write("sel", layer, batch.slots, sel)

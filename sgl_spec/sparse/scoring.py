@@ -89,20 +89,23 @@ def look_ahead(
     scores: torch.Tensor,  # [R, Hkv, N] fp32, a history's attention mass
     width: int,
     lo: torch.Tensor,  # [R] int64: the sink's end (its mass is not passed on)
-) -> torch.Tensor:  # [R, Hkv, N]: position n scores max(scores[n - width .. n])
-    """Each position scored by the largest mass among itself and the ``width`` positions
-    before it, outside the sink (issue 47). A decode that restates what it attended, a
-    subject say, reads next what follows it (the value), which its queries have not yet
-    paid attention to: the top-B of these scores keeps spans that start at attended
-    tokens. The sink's positions pass nothing on (their mass is large and says nothing
-    about what follows them). ``width`` 0: the scores as they are."""
+) -> torch.Tensor:  # [R, Hkv, N]: scores[n] + max(scores[n - width .. n])
+    """Each position scored by its own mass plus the largest mass among itself and the
+    ``width`` positions before it, outside the sink (issue 47). A decode that restates
+    what it attended, a subject say, reads next what follows it (the value), which its
+    queries have not yet paid attention to: the top-B of these scores keeps spans that
+    start at attended tokens. An attended token itself scores twice its mass, so the
+    tokens attended at over half the peak still come before the peak's followers (a
+    small budget is not spent on one span). The sink's positions pass nothing on (their
+    mass is large and says nothing about what follows them). ``width`` 0: the scores as
+    they are."""
     if width <= 0 or scores.shape[-1] == 0:
         return scores
     cols = torch.arange(scores.shape[-1], device=scores.device)
     x = scores.masked_fill((cols[None, :] < lo.to(scores.device)[:, None])[:, None, :], 0.0)
     x = x.reshape(-1, 1, x.shape[-1])
     x = F.max_pool1d(F.pad(x, (width, 0), value=0.0), width + 1, stride=1)
-    return x.view(scores.shape)
+    return scores + x.view(scores.shape)
 
 
 def select_topk(
@@ -110,10 +113,15 @@ def select_topk(
     budget: int,
     lo: torch.Tensor,  # [R] int64: first candidate position (the sink's end)
     hi: torch.Tensor,  # [R] int64: one past the last candidate (the recent window's start)
+    first_of_ties: bool = False,
 ) -> torch.Tensor:  # [R, Hkv, budget] int64 positions, ascending
     """Top-``budget`` positions of ``[lo, hi)`` per row and KV head: unique, outside sink
     and window. Every row needs ``hi - lo >= budget`` (a sparse row always has it:
-    ``DecodeConfig.use_exact`` keeps shorter histories dense)."""
+    ``DecodeConfig.use_exact`` keeps shorter histories dense).
+
+    ``first_of_ties``: among equal scores the earlier positions win (a stable sort), so a
+    row selects the same whatever its batch. ``topk`` breaks ties as its kernel likes,
+    which scores with plateaus (``look_ahead``'s) make visible."""
     if bool(((hi - lo) < budget).any()):
         raise ValueError(f"select_topk: every row needs >= {budget} candidates, got "
                          f"{(hi - lo).tolist()}")
@@ -121,5 +129,8 @@ def select_topk(
     outside = (cols[None, :] < lo.to(scores.device)[:, None]) | (
         cols[None, :] >= hi.to(scores.device)[:, None])
     masked = scores.masked_fill(outside[:, None, :], float("-inf"))
-    idx = masked.topk(budget, dim=-1, sorted=False).indices
+    if first_of_ties:
+        idx = masked.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
+    else:
+        idx = masked.topk(budget, dim=-1, sorted=False).indices
     return idx.sort(dim=-1).values
