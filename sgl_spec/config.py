@@ -310,7 +310,7 @@ class DecodeConfig:
     sink: int = 4
     window: int = 64
     nd: int = 16
-    lookahead: int = 16
+    lookahead: int = 0
     min_context: int = 2048
     first_select_step: int = 16
     draft_path: str = ""
