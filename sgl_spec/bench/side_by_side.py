@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from sgl_spec.bench import cli, configset, timing
 from sgl_spec.bench.render import cell
-from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, free_port, tail
+from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, _die_with_parent, free_port, tail
 
 WORKLOADS = ("serving", "shared-prefix", "doc-chat", "decode")
 
@@ -131,7 +131,8 @@ def serve(row: Row, model: str, wl: Workload, log_path: str):
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)  # gone if we are killed
     url = f"http://127.0.0.1:{port}"
     try:
         try:
