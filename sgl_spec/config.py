@@ -80,7 +80,7 @@ FLAGS: tuple[Flag, ...] = (
          "loopserve: each history position is scored by its attention mass plus the "
          "largest mass among itself and the N positions before it, so the selection keeps "
          "what follows an attended token before the answer reads it (0: LoopServe's own "
-         "score).", lo=0),
+         "score, Eq. 7).", lo=0),
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
@@ -310,7 +310,7 @@ class DecodeConfig:
     sink: int = 4
     window: int = 64
     nd: int = 16
-    lookahead: int = 0
+    lookahead: int = 16
     min_context: int = 2048
     first_select_step: int = 16
     draft_path: str = ""

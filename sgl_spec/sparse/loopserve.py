@@ -7,7 +7,7 @@ scores the history by the attention those queries pay it (``score_history``: cau
 softmax per query over the full history, summed over the queries and the query heads
 of each KV head's group; Eq. 7), batched over the rows that reselect, and each KV
 head keeps its top ``budget`` positions outside the sink and the recent window.
-``--spec-lookahead W`` (0, the paper's score, by default) adds to each position's mass
+``--spec-lookahead W`` (16 by default; 0 is the paper's score) adds to each position's mass
 the largest mass of the W before it (``scoring.look_ahead``): what follows an attended
 token is kept before the decode reads it (a value after the subject the answer restates;
 issue 47). Its equal scores go to the earlier position, so a row selects alike in any
