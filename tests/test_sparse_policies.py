@@ -23,6 +23,7 @@ from sgl_spec.sparse import (
     available_policies,
     get_policy,
     register_policy,
+    Scratch,
     score_history,
     select_topk,
 )
@@ -190,8 +191,24 @@ def test_score_history_batches_ragged_rows_and_unused_queries():
     torch.testing.assert_close(got[1].double(), want1, rtol=1e-5, atol=1e-6)
 
 
+def test_score_history_reuses_one_scratch_across_shapes():
+    """LoopServe and SnapKV score every layer into the same buffers (``Scratch``): a call
+    after a larger or a smaller one scores as a fresh call does, and the buffers grow to
+    the largest call and stay."""
+    g = torch.Generator().manual_seed(5)
+    scratch = Scratch()
+    calls = [(2, 60, 4), (1, 30, 3), (3, 90, 2), (1, 30, 3)]  # rows, keys, queries
+    for rows, n_keys, n_q in calls:
+        q = torch.randn(rows, n_q, 6, 8, generator=g)
+        k = torch.randn(rows, n_keys, 2, 8, generator=g).bfloat16()
+        q_pos = torch.arange(n_keys - n_q, n_keys).expand(rows, -1)
+        got = score_history(q, k, 8**-0.5, q_pos, scratch=scratch)
+        torch.testing.assert_close(got, score_history(q, k, 8**-0.5, q_pos))
+    assert scratch.nbytes == 3 * 2 * 90 * 8 * 4 + 3 * 2 * 2 * 3 * 90 * 4  # keys + probs
+
+
 def test_score_history_bf16_keys_close_to_fp32():
-    # 16-bit keys take a 16-bit matmul: scores stay within 2% of the fp32 ones,
+    # 16-bit keys (a 16-bit matmul on a GPU, fp32 on a CPU): scores stay within 2% of fp32,
     # and the top positions are the same.
     g = torch.Generator().manual_seed(1)
     q = torch.randn(16, 9, 64, generator=g)

@@ -51,6 +51,7 @@ from sgl_spec.sparse.policy import (
 )
 
 from sgl_spec.sparse.elastic import ElasticPass
+from sgl_spec.sparse.scoring import Scratch
 
 from .batch import BatchView
 from .prefetch import get_prefetcher
@@ -161,6 +162,7 @@ class Decoder:
         # drop: the radix cache keeps none from there on); None: not tracked
         self._sparse_from: dict[str, int] | None = {} if track_sparse_kv else None
         self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
+        self._gathered = Scratch()  # the reselecting rows' keys, gathered (reused per layer)
 
     # ------------------------------------------------------------ lifetime
 
@@ -363,7 +365,10 @@ class Decoder:
                 keys = k_buf[key_slots][None]  # a view: nothing gathered
             else:
                 n, hkv, d = key_slots.shape[1], k_buf.shape[1], k_buf.shape[2]
-                keys = k_buf.index_select(0, key_slots.view(-1)).view(-1, n, hkv, d)
+                keys = self._gathered.take("keys", (key_slots.numel(), hkv, d), k_buf.dtype,
+                                           k_buf.device)
+                torch.index_select(k_buf, 0, key_slots.view(-1), out=keys)
+                keys = keys.view(-1, n, hkv, d)
             self.policy.reselect(layer, keys, rb)
         if plan.sparse is not None and sub.sel_idx.shape[2]:
             sel = self.policy.selection(layer, plan.sparse.slots)

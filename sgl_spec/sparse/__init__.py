@@ -25,6 +25,7 @@ _EXPORTS = {
     "available_policies": "policy",
     "get_policy": "policy",
     "register_policy": "policy",
+    "Scratch": "scoring",
     "pool_scores": "scoring",
     "score_history": "scoring",
     "select_topk": "scoring",

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .policy import Kind, ReselectBatch, RequestState, RowStep, SelectionPolicy
-from .scoring import look_ahead, score_history, select_topk
+from .scoring import Scratch, look_ahead, score_history, select_topk
 from .slots import BufferSpec
 
 
@@ -50,6 +50,10 @@ class LoopServePolicy(SelectionPolicy):
         # (1.1 MB per request on the default model's 30 layers).
         return {**super().buffers(),
                 "ring": BufferSpec((self.cfg.nd, s.num_q_heads, s.head_dim), torch.float32)}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scratch = Scratch()  # the reselection's buffers, reused (scheduler thread)
 
     def new_state(self, prompt_len: int, slot: int) -> LoopServeState:
         return LoopServeState(prompt_len, slot, seq_len=prompt_len,
@@ -92,7 +96,7 @@ class LoopServePolicy(SelectionPolicy):
     def reselect(self, layer, keys, batch: ReselectBatch) -> None:
         ring = self.slots.rows("ring", layer, batch.slots)  # [R, nd, Hq, D]
         scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
-                               batch.seq_lens)  # [R, Hkv, N]
+                               batch.seq_lens, self.scratch)  # [R, Hkv, N]
         scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
         sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
                           first_of_ties=self.cfg.lookahead > 0)

@@ -7,10 +7,38 @@ rows, queries and heads at once: each layer's keys are read once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 POOL_KINDS = ("avg", "max", "none")
+
+
+class Scratch:
+    """Reusable buffers for one caller (a policy, on the scheduler thread): scoring takes
+    its multi-MB temporaries (the keys in head-major fp32, the queries' probabilities) from
+    here rather than allocating them per layer. A fresh tensor that large is fresh pages
+    from the kernel, and their faults cost more than the scoring itself on a 2-core host
+    (issue 47: 5-8 ms a layer at a 7k history with them, ~2 ms without). Each buffer keeps
+    the largest size asked of it."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` (uninitialised), valid until the next ``take(name)``."""
+        n = math.prod(shape)
+        key = (name, dtype, torch.device(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
 @torch.no_grad()
@@ -20,12 +48,13 @@ def score_history(
     scale: float,
     q_pos: torch.Tensor | None = None,  # [R, n] int64 positions of the queries; -1: unused
     k_len: torch.Tensor | None = None,  # [R] int64 keys per row (padding after); None: N
+    scratch: Scratch | None = None,  # reused buffers (None: allocate per call)
 ) -> torch.Tensor:  # [R, Hkv, N] fp32, on k's device
     """Attention each history position receives from the observation queries.
 
     Per query and query head: softmax over the history (positions <= the query's own
     position when ``q_pos`` is given, and < ``k_len``). Summed over the queries and
-    over the query heads of each KV head's GQA group (sum, not max: the total mass the
+    over the query heads of each KV head's group (sum, not max: the total mass the
     group pays a position). Eq. 7 of LoopServe (Sec 5.3) per KV head. A query with
     position -1 (an unfilled ring entry) contributes nothing; padded keys score 0.
     """
@@ -33,45 +62,58 @@ def score_history(
     _, big_n, hkv, dk = k.shape
     if dk != d or hq % hkv or k.shape[0] != rows:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
-    g = hq // hkv
-    # The logits' matmul runs in the keys' dtype when that is 16-bit (fp32
-    # accumulation): on CPUs with AVX512-BF16 a bf16 bmm is faster than
-    # converting the history to fp32 first, and rounding a logit to 8 mantissa
-    # bits moves a softmax weight by < 0.5% of itself, far below what top-B
-    # ranking resolves. The softmax and the sums are fp32.
-    mm = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    g, dev = hq // hkv, k.device
+    scratch = scratch if scratch is not None else Scratch()
+    # The logits' matmul: fp32 on a CPU (the keys converted once, as they are copied
+    # head-major; as fast there as a bf16 bmm, and exact), the keys' 16-bit dtype on a
+    # GPU (fp32 accumulation; a logit rounded to 8 mantissa bits moves a softmax weight
+    # by < 0.5% of itself, far below what top-B ranking resolves). The softmax and the
+    # sums are fp32.
+    mm = k.dtype if dev.type != "cpu" and k.dtype in (torch.bfloat16, torch.float16) \
+        else torch.float32
     # Rows of one KV head's group: (query, head in group); scale folded into q.
     qg = (q.float() * scale).reshape(rows, n, hkv, g, d).permute(0, 2, 1, 3, 4)
     qg = qg.reshape(rows * hkv, n * g, d).to(mm)
-    kh = k.to(mm).permute(0, 2, 3, 1).reshape(rows * hkv, d, big_n)  # one pass over keys
-    logits = torch.bmm(qg, kh).view(rows, hkv, n * g, big_n)
+    kh = scratch.take("keys", (rows, hkv, big_n, d), mm, dev)
+    kh.copy_(k.permute(0, 2, 1, 3))  # head-major: the matmul reads each head's keys in order
+    x = scratch.take("probs", (rows * hkv, n * g, big_n), torch.float32, dev)
+    if mm == torch.float32:
+        torch.bmm(qg, kh.view(rows * hkv, big_n, d).transpose(1, 2), out=x)
+    else:
+        x.copy_(torch.bmm(qg, kh.view(rows * hkv, big_n, d).transpose(1, 2)))
+    x4 = x.view(rows, hkv, n * g, big_n)
     # Only columns after the earliest query, or past the shortest row, can be hidden
     # from some query: mask that tail alone (LoopServe's ring: the last n_d columns).
     unused = None
     start = big_n
     if q_pos is not None:
-        q_pos = q_pos.to(k.device)
+        q_pos = q_pos.to(dev)
         used = q_pos >= 0
         if not bool(used.all()):
             unused = ~used
         if bool(used.any()):
             start = min(start, int(q_pos[used].min()) + 1)
     if k_len is not None:
-        k_len = k_len.to(k.device)
+        k_len = k_len.to(dev)
         start = min(start, int(k_len.min()))
     if start < big_n:
-        cols = torch.arange(start, big_n, device=k.device)
-        hide = torch.zeros(rows, n, big_n - start, dtype=torch.bool, device=k.device)
+        cols = torch.arange(start, big_n, device=dev)
+        hide = torch.zeros(rows, n, big_n - start, dtype=torch.bool, device=dev)
         if q_pos is not None:
             hide |= cols[None, None, :] > q_pos[:, :, None]  # a query's future
         if k_len is not None:
             hide |= (cols[None, :] >= k_len[:, None])[:, None, :]  # padding
-        logits[..., start:].masked_fill_(hide.repeat_interleave(g, dim=1)[:, None],
-                                         float("-inf"))
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        x4[..., start:].masked_fill_(hide.repeat_interleave(g, dim=1)[:, None], float("-inf"))
+    # Softmax in place; each row's 1/sum weights it in one matmul that also sums the
+    # group's queries and heads: mass[h, j] = sum_q exp(x[h, q, j] - max_q) / sum_q.
+    top = x.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top == float("-inf"), 0.0)  # a row hiding every key adds nothing
+    x.sub_(top).exp_()
+    w = x.sum(dim=-1, keepdim=True).reciprocal_()  # [rows * hkv, n * g, 1]
+    w.masked_fill_(torch.isinf(w), 0.0)
     if unused is not None:  # unfilled ring entries: their rows add nothing
-        probs.masked_fill_(unused.repeat_interleave(g, dim=1)[:, None, :, None], 0.0)
-    return probs.sum(dim=2)
+        w.view(rows, hkv, n * g).masked_fill_(unused.repeat_interleave(g, dim=1)[:, None], 0.0)
+    return torch.bmm(w.transpose(1, 2), x).view(rows, hkv, big_n)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
@@ -129,8 +171,12 @@ def select_topk(
     outside = (cols[None, :] < lo.to(scores.device)[:, None]) | (
         cols[None, :] >= hi.to(scores.device)[:, None])
     masked = scores.masked_fill(outside[:, None, :], float("-inf"))
-    if first_of_ties:
-        idx = masked.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
-    else:
-        idx = masked.topk(budget, dim=-1, sorted=False).indices
-    return idx.sort(dim=-1).values
+    if not first_of_ties:
+        return masked.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+    # Everything above the budget-th score, then the earliest of those equal to it (a
+    # stable sort of the whole history costs ~3x this).
+    thr = masked.topk(budget, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = masked > thr
+    tied = masked == thr
+    keep = above | (tied & (tied.cumsum(dim=-1) <= budget - above.sum(dim=-1, keepdim=True)))
+    return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)  # row-major: ascending

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .policy import EXACT_STEP, Kind, RequestState, RowStep, SelectionPolicy
-from .scoring import POOL_KINDS, pool_scores, score_history, select_topk
+from .scoring import POOL_KINDS, Scratch, pool_scores, score_history, select_topk
 
 
 @dataclass
@@ -38,6 +38,7 @@ class SnapKVPolicy(SelectionPolicy):
             raise ValueError(f"pool_kernel must be an odd integer >= 1, got {pool_kernel}")
         self.pool_kind = pool_kind
         self.pool_kernel = pool_kernel
+        self.scratch = Scratch()  # scoring's buffers, reused (scheduler thread)
 
     def new_state(self, prompt_len: int, slot: int) -> SnapKVState:
         exact = self.cfg.use_exact(prompt_len)
@@ -54,7 +55,8 @@ class SnapKVPolicy(SelectionPolicy):
             raise ValueError(f"request {rid!r}: k {tuple(k.shape)} / q_obs {tuple(q_obs.shape)} "
                              f"do not fit prompt_len {n}")
         q_pos = torch.arange(n - w, n, device=k.device)
-        scores = score_history(q_obs[None], k[None], self.shape.sm_scale, q_pos[None])
+        scores = score_history(q_obs[None], k[None], self.shape.sm_scale, q_pos[None],
+                               scratch=self.scratch)
         # Pool over the candidate prefix only, as SnapKV pools attn[..., :-window].
         pooled = pool_scores(scores[..., : st.recent_start], self.pool_kernel, self.pool_kind)
         t = lambda x: torch.tensor([x], dtype=torch.int64, device=k.device)  # noqa: E731
