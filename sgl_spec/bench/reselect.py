@@ -3,7 +3,9 @@
     python -m sgl_spec.bench.reselect [--seq-len 7000] [--json out.json]
 
 Per layer, a reselection scores the history with the ring of n_d queries in one
-batched pass (``score_history``) and takes the top-B per KV head; the baseline is
+batched pass (``score_history``, into the buffers a policy reuses), looks ahead
+(``look_ahead``, ``--lookahead``) and takes the top-B per KV head, ties to the earlier
+position, as ``LoopServePolicy.reselect`` does; the baseline is
 n_d dense decode steps of one query, the serving path's (``sparse_decode`` over dense
 subsets: the C++ kernel reading the pool in place where it builds). The reselection is
 timed twice: on contiguous K/V, and including the gather from a scattered KV pool
@@ -22,7 +24,8 @@ import torch
 from sgl_spec.bench import cli
 from sgl_spec.bench.timing import median_s
 from sgl_spec.kernels.sparse_decode import dense_subsets, sparse_decode
-from sgl_spec.sparse.scoring import score_history, select_topk
+from sgl_spec.config import DecodeConfig
+from sgl_spec.sparse.scoring import Scratch, look_ahead, score_history, select_topk
 
 WARMUP = 3  # untimed calls before each median
 
@@ -30,6 +33,7 @@ WARMUP = 3  # untimed calls before each median
 def run(
     seq_len: int, nd: int, budget: int, num_q_heads: int, num_kv_heads: int,
     head_dim: int, dtype: torch.dtype, repeats: int, sink: int = 4, window: int = 64,
+    lookahead: int = DecodeConfig.lookahead,
 ) -> dict:
     gen = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
@@ -45,8 +49,11 @@ def run(
     dense = dense_subsets(slots.int()[None], torch.tensor([0]), torch.tensor([seq_len]),
                           num_kv_heads)
 
+    scratch = Scratch()
+
     def reselect(keys):
-        return select_topk(score_history(ring, keys, scale, q_pos), budget, lo, hi)
+        mass = look_ahead(score_history(ring, keys, scale, q_pos, scratch=scratch), lookahead, lo)
+        return select_topk(mass, budget, lo, hi, first_of_ties=lookahead > 0)
 
     def dense_step():
         return sparse_decode(q1, k_buf, v_buf, dense, scale=scale)
@@ -70,6 +77,7 @@ def run(
         "config": {
             "seq_len": seq_len, "nd": nd, "budget": budget, "num_q_heads": num_q_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype),
+            "lookahead": lookahead,
             "repeats": repeats, "threads": torch.get_num_threads(),
         },
         "per_layer": rows,
@@ -85,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--lookahead", type=int, default=DecodeConfig.lookahead,
+                    help=f"--spec-lookahead (default {DecodeConfig.lookahead}; 0: LoopServe's "
+                    "own score)")
     cli.add_common(ap, out=None, repeats="timed calls per figure (median; default 20)",
                    repeats_default=20, threads="torch CPU threads (default 1: stable medians "
                    "on a shared machine; 0: leave torch's default)", threads_default=1,
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.set_threads(args.threads)
     res = run(
         args.seq_len, args.nd, args.budget, args.num_q_heads, args.num_kv_heads,
-        args.head_dim, getattr(torch, args.dtype), args.repeats,
+        args.head_dim, getattr(torch, args.dtype), args.repeats, lookahead=args.lookahead,
     )
     c = res["config"]
     print(
