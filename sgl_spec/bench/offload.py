@@ -43,6 +43,7 @@ from tqdm import tqdm
 from sgl_spec import corpus
 from sgl_spec.attention import step_cost
 from sgl_spec.bench import agreement, cli, configset, round_play, timing
+from sgl_spec.bench.provenance import git_label
 from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
 from sgl_spec.launch_server import _value
@@ -180,11 +181,6 @@ def _within(r: dict) -> str:
     return "no" if r["over_budget"] or r["peak_device_bytes"] > r["budget_bytes"] else "yes"
 
 
-def _git(meta: dict) -> str:
-    g = meta.get("git") or {}
-    return f"{str(g.get('commit'))[:7]}{' (dirty)' if g.get('dirty') else ''}"
-
-
 def markdown(res: dict) -> str:
     c, s = res["config"], res["summary"]
     lines = ["# Long generations under one device KV budget", "",
@@ -192,7 +188,7 @@ def markdown(res: dict) -> str:
               f"prompt tokens, {c['gen_tokens']} generated each; budget {c['budget_bytes']:,} "
               f"bytes ({c['budget_tokens']} tokens per request at every layer, "
               f"{c['kv_dtype']}); specontext B={c['specontext_budget']}; git "
-              f"{_git(res['meta'])}."), "",
+              f"{git_label(res['meta'].get('git'))}."), "",
              ("| row | decoding at once | retracted | output tok/s | vs exact | device KV "
               "bytes (peak) | within budget | layers on host | host loads hidden |"),
              "|---|---|---|---|---|---|---|---|---|"]

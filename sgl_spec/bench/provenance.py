@@ -36,6 +36,16 @@ def _git(*args: str) -> str | None:
         return None
 
 
+def git_label(g: dict | list | None) -> str:
+    """A ``git()`` record (or a list of them, pooled runs) as a table shows it."""
+    if isinstance(g, list):
+        return ", ".join(dict.fromkeys(git_label(x) for x in g)) or "?"
+    if isinstance(g, str):
+        return g
+    g = g or {}
+    return f"{str(g.get('commit') or '?')[:7]}{' (dirty)' if g.get('dirty') else ''}"
+
+
 def load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]

@@ -60,6 +60,7 @@ import requests
 from tqdm import tqdm
 
 from sgl_spec.bench import cli, configset, round_play, timing
+from sgl_spec.bench.provenance import git_label
 from sgl_spec.bench.render import cell
 from sgl_spec.bench.scoring import exact_match
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, flush_cache
@@ -351,7 +352,8 @@ def markdown(res: dict) -> str:
     w, s = res["workload"], res["summary"]
     lines = [f"# Round Attention: {w}", "",
              f"Model {res['config']['model']}, L_w {res['config']['watershed']} of "
-             f"{res['config']['layers']}, rows {', '.join(s)}; git {res['meta'].get('git')}.",
+             f"{res['config']['layers']}, rows {', '.join(s)}; "
+             f"git {git_label(res['meta'].get('git'))}.",
              ""]
     if w == "capacity":
         c = res["config"]

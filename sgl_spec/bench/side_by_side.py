@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from sgl_spec.bench import cli, configset, timing
+from sgl_spec.bench.provenance import git_label
 from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, _die_with_parent, free_port, tail
 
@@ -195,7 +196,7 @@ def doc_chats(tok, seed: int = 0):
 def play_doc_chat(url: str, model: str, scripts, history: dict | None) -> dict:
     from sgl_spec.bench import chat_client
 
-    client = chat_client.make_client(url + "/v1")
+    client = chat_client.make_client(url)  # it adds /v1
     chat_client.warmup(client, model)
     out = {}
     for s in scripts:
@@ -276,7 +277,7 @@ def markdown(res: dict) -> str:
     s, name = res["summary"], res["workload"]
     rows = list(s)
     lines = [f"# Side by side: {name}", "", f"Model {res['config']['model']}; rounds "
-             f"{res['config']['rounds']}; git {res['meta'].get('git')}. Ratios against "
+             f"{res['config']['rounds']}; git {git_label(res['meta'].get('git'))}. Ratios against "
              f"{rows[0]} (median, min-max over rounds).", ""]
     if name == "doc-chat":
         points = list(s[rows[0]]["ttft_s"])
