@@ -19,9 +19,8 @@ class Scratch:
     """Reusable buffers for one caller (a policy, on the scheduler thread): scoring takes
     its multi-MB temporaries (the keys in head-major fp32, the queries' probabilities) from
     here rather than allocating them per layer. A fresh tensor that large is fresh pages
-    from the kernel, and their faults cost more than the scoring itself on a 2-core host
-    (issue 47: 5-8 ms a layer at a 7k history with them, ~2 ms without). Each buffer keeps
-    the largest size asked of it."""
+    from the kernel, and faulting them in can cost more than the scoring itself on a CPU
+    (docs/results/). Each buffer keeps the largest size asked of it."""
 
     def __init__(self):
         self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
