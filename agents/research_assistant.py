@@ -11,7 +11,9 @@ Flow (one ``@sgl.function``, four kinds of gen call):
    conversation (join), and a final gen writes the report.
 4. ``follow_up`` (optional): one more turn on the same conversation.
 
-Run against a server: ``python -m sgl_spec.agents.research_assistant --port N``.
+Run against a server: ``python -m sgl_spec.agents.research_assistant --port N``; with
+``--api openai`` the same calls go through any OpenAI-compatible chat API (llama.cpp's
+``llama-server`` too), the forks sent at once from threads.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import sglang as sgl
@@ -203,15 +206,27 @@ def parse_sub_questions(plan: str, max_questions: int = 3) -> list[str]:
 # The agent
 
 
+def plan_message(document: str, question: str, n: int) -> str:
+    return (f"Here is a document.\n\n{document}\n\n"
+            f"Research question: {question}\n"
+            f"Write {n} short questions about the document that help answer "
+            "the research question. Write one question per line and nothing else.")
+
+
+def answer_message(sub_question: str) -> str:
+    return f"Answer this question in one or two sentences: {sub_question}"
+
+
+def report_message(question: str, answers: list[str]) -> str:
+    findings = "\n".join(f"- {a}" for a in answers)
+    return (f"Write a short report of two or three sentences that answers: {question}\n"
+            f"Use these findings:\n{findings}")
+
+
 @sgl.function
 def research(s, document: str, question: str, config: AgentConfig, follow_up: str | None):
     s += sgl.system(SYSTEM_PROMPT)
-    s += sgl.user(
-        f"Here is a document.\n\n{document}\n\n"
-        f"Research question: {question}\n"
-        f"Write {config.max_sub_questions} short questions about the document that help answer "
-        "the research question. Write one question per line and nothing else."
-    )
+    s += sgl.user(plan_message(document, question, config.max_sub_questions))
     s += sgl.assistant(sgl.gen("plan", max_tokens=config.plan_tokens, temperature=0))
     sub_questions = parse_sub_questions(s["plan"], config.max_sub_questions)
 
@@ -219,17 +234,13 @@ def research(s, document: str, question: str, config: AgentConfig, follow_up: st
     # by fork itself), so only the sub-question is new to the cache.
     forks = s.fork(len(sub_questions))
     for f, sub_question in zip(forks, sub_questions):
-        f += sgl.user(f"Answer this question in one or two sentences: {sub_question}")
+        f += sgl.user(answer_message(sub_question))
         f += sgl.assistant(sgl.gen("answer", max_tokens=config.answer_tokens, temperature=0))
     answers = [f["answer"].strip() for f in forks]  # waits for every fork
     fork_meta = [f.get_meta_info("answer") for f in forks]
 
     # Join: the findings become part of the main conversation.
-    findings = "\n".join(f"- {a}" for a in answers)
-    s += sgl.user(
-        f"Write a short report of two or three sentences that answers: {question}\n"
-        f"Use these findings:\n{findings}"
-    )
+    s += sgl.user(report_message(question, answers))
     s += sgl.assistant(sgl.gen("report", max_tokens=config.report_tokens, temperature=0))
     if follow_up:
         s += sgl.user(follow_up)
@@ -284,6 +295,71 @@ def run_research(
     )
 
 
+def run_research_openai(
+    base_url: str,
+    document: str,
+    question: str = DEFAULT_QUESTION,
+    config: AgentConfig | None = None,
+    follow_up: str | None = None,
+    model: str | None = None,
+    pinned: AgentResult | None = None,
+    api_key: str = "EMPTY",
+) -> AgentResult:
+    """The same calls through any server's OpenAI chat API (sglang's ``/v1``, llama.cpp's
+    ``llama-server``): the plan, then the forks sent at once from threads, the join when
+    all have answered, the report and the follow-up. Each call's cached tokens are the
+    server's ``usage.prompt_tokens_details.cached_tokens`` (0 where it reports none).
+
+    ``pinned``, another server's result, supplies the plan, answers and report that the
+    later prompts carry, so that two servers are sent the same prompts; each server's own
+    texts are what is returned.
+    """
+    import openai
+
+    config = config or AgentConfig()
+    client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key)
+    model = model or client.models.list().data[0].id
+
+    def call(name: str, messages: list[dict], max_tokens: int) -> tuple[str, CallStats]:
+        ret = client.chat.completions.create(model=model, messages=messages,
+                                             max_tokens=max_tokens, temperature=0)
+        usage = ret.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = (getattr(details, "cached_tokens", None) or 0) if details else 0
+        return ((ret.choices[0].message.content or "").strip(),
+                CallStats(name, usage.prompt_tokens, cached, usage.completion_tokens))
+
+    def user(text: str) -> dict:
+        return {"role": "user", "content": text}
+
+    def assistant(text: str) -> dict:
+        return {"role": "assistant", "content": text}
+
+    start = time.perf_counter()
+    conv = [{"role": "system", "content": SYSTEM_PROMPT},
+            user(plan_message(document, question, config.max_sub_questions))]
+    plan, plan_call = call("plan", conv, config.plan_tokens)
+    sub_questions = (pinned.sub_questions if pinned
+                     else parse_sub_questions(plan, config.max_sub_questions))
+    conv.append(assistant(pinned.plan if pinned else plan))
+    with ThreadPoolExecutor(len(sub_questions)) as pool:  # fork
+        forked = list(pool.map(
+            lambda iq: call(f"answer[{iq[0]}]", [*conv, user(answer_message(iq[1]))],
+                            config.answer_tokens), enumerate(sub_questions)))
+    answers = [a for a, _ in forked]                      # join
+    conv.append(user(report_message(question, pinned.sub_answers if pinned else answers)))
+    report, report_call = call("report", conv, config.report_tokens)
+    calls = [plan_call, *(c for _, c in forked), report_call]
+    answer_follow_up = None
+    if follow_up:
+        conv += [assistant(pinned.report if pinned else report), user(follow_up)]
+        answer_follow_up, follow_call = call("follow_up", conv, config.follow_up_tokens)
+        calls.append(follow_call)
+    return AgentResult(question=question, plan=plan, sub_questions=list(sub_questions),
+                       sub_answers=answers, report=report, follow_up=answer_follow_up,
+                       calls=calls, elapsed_s=time.perf_counter() - start)
+
+
 # ---------------------------------------------------------------------------
 # CLI
 
@@ -320,8 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow-up", default=None, help="optional follow-up question, asked last")
     p.add_argument("--sub-questions", type=int, default=AgentConfig.max_sub_questions,
                    help=f"how many sub-questions to plan ({MIN_SUB_QUESTIONS}-{MAX_SUB_QUESTIONS})")
+    p.add_argument("--api", choices=("sglang", "openai"), default="sglang",
+                   help="sglang: the frontend language over sglang's native API (fork shares "
+                   "the prefix); openai: the same calls through any OpenAI-compatible chat API, "
+                   "e.g. llama.cpp's llama-server (default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="--api openai: the model name to send (default: the server's first)")
     p.add_argument("--chat-template", default=None,
-                   help="sglang chat template name (default: picked from the model path)")
+                   help="--api sglang: sglang chat template name (default: picked from the "
+                   "model path)")
     for kind in ("plan", "answer", "report", "follow-up"):
         field = kind.replace("-", "_") + "_tokens"
         p.add_argument(f"--{kind}-tokens", type=int, default=getattr(AgentConfig, field),
@@ -342,14 +425,14 @@ def main(argv: list[str] | None = None) -> int:
                              follow_up_tokens=args.follow_up_tokens)
     except ValueError as exc:  # names the field and the valid values
         parser.error(str(exc))
-    result = run_research(
-        f"http://{args.host}:{args.port}",
-        load_document(args.doc, args.max_doc_chars),
-        question=args.question,
-        config=config,
-        follow_up=args.follow_up,
-        chat_template=args.chat_template,
-    )
+    url = f"http://{args.host}:{args.port}"
+    document = load_document(args.doc, args.max_doc_chars)
+    if args.api == "openai":
+        result = run_research_openai(url, document, question=args.question, config=config,
+                                     follow_up=args.follow_up, model=args.model)
+    else:
+        result = run_research(url, document, question=args.question, config=config,
+                              follow_up=args.follow_up, chat_template=args.chat_template)
     print(json.dumps(result.to_json(), indent=2) if args.json else format_result(result))
     return 0
 

@@ -117,6 +117,31 @@ def test_agent_end_to_end_through_the_cli(spec_server):
     assert data["hit_ratio"] > 0.5
 
 
+@pytest.mark.server
+def test_agent_through_the_openai_api(spec_server):
+    """The same calls through sglang's OpenAI chat API (what the llama.cpp rows of
+    bench.side_by_side use): the forks share the plan's cached prefix; a second run pinned
+    to the first is sent the same prompts, whatever it answers."""
+    from sgl_spec.agents import research_assistant as ra
+
+    config = ra.AgentConfig(max_sub_questions=2, plan_tokens=40, answer_tokens=8,
+                            report_tokens=8)
+    doc = ra.stdlib_document(max_chars=2400)
+    first = ra.run_research_openai(spec_server.url, doc, config=config)
+    again = ra.run_research_openai(spec_server.url, doc, config=config, pinned=first)
+    for res in (first, again):
+        names = [c.name for c in res.calls]
+        assert names == ["plan", *(f"answer[{i}]" for i in range(len(res.sub_questions))),
+                         "report"], names
+        assert res.follow_up is None and res.report and all(res.sub_answers)
+    plan = first.calls[0]
+    assert plan.prompt_tokens > 400
+    for fork in first.calls[1:-1]:  # the document, the plan and its answer were cached
+        assert plan.prompt_tokens <= fork.cached_tokens < fork.prompt_tokens, fork
+    assert [c.prompt_tokens for c in again.calls] == [c.prompt_tokens for c in first.calls]
+    assert again.calls[0].cached_tokens >= plan.prompt_tokens - 1  # all but the last token
+
+
 @pytest.mark.parametrize("argv", [["--answer-tokens", "0"], ["--sub-questions", "9"],
                                   ["--max-doc-chars", "-1"]])
 def test_cli_bad_values_exit_2_naming_the_flag(argv, capsys):

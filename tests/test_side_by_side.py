@@ -82,6 +82,27 @@ def test_doc_chat_reports_ttft_per_turn_and_agreement_with_sgl_spec():
     assert "TTFT doc-3k/1 | TTFT doc-3k/2" in md and "| 0.50 |" in md
 
 
+def test_agent_speed_is_the_first_rows_seconds_over_the_rows_and_answers_are_compared():
+    def agent(seconds, cached, answers):
+        return {d: {"elapsed_s": seconds, "hit_ratio": cached, "prompt_tokens": 100,
+                    "plan": "p", "sub_answers": list(answers), "report": "r",
+                    "follow_up": "f"} for d in sbs.AGENT_DOCS}
+
+    played = {"stock": [agent(20.0, 0.8, "ab")], "sgl_spec": [agent(10.0, 0.9, "ab")],
+              "llama.cpp-bf16": [agent(40.0, 0.5, "ax")]}
+    s = sbs.summarize("agent", played)
+    assert s["sgl_spec"]["json"]["vs_first"] == (2.0, 2.0, 2.0)       # twice as fast
+    assert s["llama.cpp-bf16"]["json"]["vs_first"] == (0.5, 0.5, 0.5)
+    # 5 texts per run (plan, 2 answers, report, follow-up), one answer differs
+    assert s["llama.cpp-bf16"]["answers_equal_sgl_spec"] == pytest.approx(
+        (4 * len(sbs.AGENT_DOCS)) / (5 * len(sbs.AGENT_DOCS)))
+    md = sbs.markdown({"summary": s, "workload": "agent", "meta": {"git": "x"},
+                       "config": {"model": "m", "rounds": 1}})
+    assert "| row | textwrap s | json s | argparse s | cached textwrap |" in md
+    assert "| sgl_spec | 10.00 (10.00-10.00) | 10.00 (10.00-10.00) |" in md
+    assert "| 0.90 (0.90-0.90) | 2.00 (2.00-2.00) |" in md and md.endswith("| 0.80 |\n")
+
+
 def test_bad_flags_exit_2_naming_the_valid_choices(capsys):
     with pytest.raises(SystemExit) as e:
         sbs.main(["--workload", "serving", "--rows", "vllm", "--out", "/tmp/x"])

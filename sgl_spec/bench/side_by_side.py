@@ -27,7 +27,12 @@ Workloads (``--workload``):
   follow-ups (greedy, 64 tokens): TTFT per turn; every row is sent the first row's
   answers as its history, so prompts match; answers compared with the ``sgl_spec`` row's;
 * ``decode``: decode tokens/s after a 1k- and a ~8k-token history (SmolLM2's window
-  caps it at 7.9k), 128 tokens (ignore_eos), batch 1 and 4 (distinct documents).
+  caps it at 7.9k), 128 tokens (ignore_eos), batch 1 and 4 (distinct documents);
+* ``agent``: the research agent (``sgl_spec.agents.research_assistant --api openai``) over
+  three ~1.7k-token documents, one after the other: a plan, 3 forked answers sent at once,
+  the join's report and a follow-up: seconds end to end and the share of prompt tokens
+  the server reports cached; later rows are sent the first row's plan, answers and report
+  (the same prompts); answers compared with the ``sgl_spec`` row's.
 
 Every ratio is against ``stock`` (or the first row), with the spread over rounds.
 
@@ -54,7 +59,9 @@ from sgl_spec.bench.provenance import git_label
 from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, _die_with_parent, free_port, tail
 
-WORKLOADS = ("serving", "shared-prefix", "doc-chat", "decode")
+WORKLOADS = ("serving", "shared-prefix", "doc-chat", "decode", "agent")
+AGENT_DOCS = ("textwrap", "json", "argparse")  # stdlib modules' docstrings
+AGENT_FOLLOW_UP = "Which one of these points matters most to a new user, and why?"
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,8 @@ def workload(name: str, concurrency: tuple[int, ...]) -> Workload:
         return Workload(8, 1024 + 128 + 64 + 64)
     if name == "doc-chat":
         return Workload(1, 8192)
+    if name == "agent":
+        return Workload(3, 4096)  # the forks at once
     return Workload(4, 8192)
 
 
@@ -238,6 +247,23 @@ def play_decode(url: str, prompts: dict[int, list[str]], batches=(1, 4),
     return out
 
 
+def play_agent(url: str, pinned: dict | None) -> dict:
+    """The research agent over each of ``AGENT_DOCS`` through the OpenAI API; ``pinned``:
+    the first row's results, whose texts the later prompts carry."""
+    from sgl_spec.agents import research_assistant as ra
+    from sgl_spec.bench import round_play
+
+    round_play.ask(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up
+    out = {}
+    for name in AGENT_DOCS:
+        first = pinned and ra.AgentResult(**{k: pinned[name][k] for k in (
+            "question", "plan", "sub_questions", "sub_answers", "report", "follow_up")})
+        res = ra.run_research_openai(url, ra.stdlib_document(name), follow_up=AGENT_FOLLOW_UP,
+                                     pinned=first or None)
+        out[name] = res.to_json()
+    return out
+
+
 # ---- summary -----------------------------------------------------------------------------
 def summarize(name: str, played: dict[str, list[dict]]) -> dict:
     """Per row and point, the spread over rounds of each figure and of its ratio to the
@@ -246,7 +272,8 @@ def summarize(name: str, played: dict[str, list[dict]]) -> dict:
     base = rows[0]
     figure = {"serving": ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"),
               "shared-prefix": ("output_throughput", "mean_ttft_ms", "mean_tpot_ms"),
-              "decode": ("decode_tok_s", "output_tok_s", "ttft_s")}.get(name)
+              "decode": ("decode_tok_s", "output_tok_s", "ttft_s"),
+              "agent": ("elapsed_s", "hit_ratio", "prompt_tokens")}.get(name)
     out: dict = {}
     for row in rows:
         runs = played[row]
@@ -266,11 +293,24 @@ def summarize(name: str, played: dict[str, list[dict]]) -> dict:
         out[row] = {}
         for point in runs[0]:
             cell_ = {f: timing.spread(r[point][f] for r in runs) for f in figure}
-            cell_["vs_first"] = timing.ratio_spread([r[point][figure[0]] for r in runs],
-                                                    [r[point][figure[0]]
-                                                     for r in played[base]])
+            mine = [r[point][figure[0]] for r in runs]
+            first = [r[point][figure[0]] for r in played[base]]
+            # a rate against the first row's; for the agent's seconds, the first's over
+            # this row's: above 1 is faster either way
+            cell_["vs_first"] = (timing.ratio_spread(first, mine) if name == "agent"
+                                 else timing.ratio_spread(mine, first))
             out[row][point] = cell_
+        if name == "agent" and "sgl_spec" in played:
+            texts = [(agent_texts(r[d]), agent_texts(q[d]))
+                     for r, q in zip(runs, played["sgl_spec"]) for d in r]
+            pairs = [(a, b) for x, y in texts for a, b in zip(x, y)]
+            out[row]["answers_equal_sgl_spec"] = sum(a == b for a, b in pairs) / len(pairs)
     return out
+
+
+def agent_texts(res: dict) -> list[str]:
+    """An agent run's generated texts, in call order."""
+    return [res["plan"], *res["sub_answers"], res["report"], res["follow_up"] or ""]
 
 
 def markdown(res: dict) -> str:
@@ -288,6 +328,21 @@ def markdown(res: dict) -> str:
             lines.append(f"| {row} | " + " | ".join(cell(r["ttft_s"][p]) for p in points)
                          + f" | {cell(r['ttft_vs_first'])} | "
                          f"{cell(r.get('answers_equal_sgl_spec'))} |")
+        return "\n".join(lines) + "\n"
+    if name == "agent":
+        points = list(AGENT_DOCS)
+        lines += [("Seconds end to end per agent run (plan, forks, report, follow-up), the "
+                   "share of prompt tokens the server reported cached, and the speed against "
+                   f"{rows[0]} (its seconds over the row's):"), "",
+                  "| row | " + " | ".join(f"{p} s" for p in points) + " | "
+                  + " | ".join(f"cached {p}" for p in points) + " | "
+                  + " | ".join(f"vs first @ {p}" for p in points) + " | answers = sgl_spec |",
+                  "|---|" + "---|" * (3 * len(points) + 1)]
+        for row, r in s.items():
+            lines.append(f"| {row} | " + " | ".join(cell(r[p]["elapsed_s"]) for p in points)
+                         + " | " + " | ".join(cell(r[p]["hit_ratio"]) for p in points) + " | "
+                         + " | ".join(cell(r[p]["vs_first"]) for p in points)
+                         + f" | {cell(r.get('answers_equal_sgl_spec'))} |")
         return "\n".join(lines) + "\n"
     key = "decode_tok_s" if name == "decode" else "output_throughput"
     points = list(s[rows[0]])
@@ -327,8 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = AutoTokenizer.from_pretrained(model)
     scripts = doc_chats(tok) if args.workload == "doc-chat" else None
     prompts = decode_prompts(tok) if args.workload == "decode" else None
-    steps = {"serving": len(args.concurrency), "shared-prefix": 1, "doc-chat": 1,
-             "decode": 1}[args.workload]
+    steps = {"serving": len(args.concurrency)}.get(args.workload, 1)
     bar = tqdm(total=len(rows) * args.rounds * steps, desc="side by side", unit="run")
     pinned: dict = {}
 
@@ -344,6 +398,11 @@ def main(argv: list[str] | None = None) -> None:
                 return got
             if args.workload == "decode":
                 got = play_decode(url, prompts)
+                bar.update()
+                return got
+            if args.workload == "agent":
+                got = play_agent(url, pinned.get("agent"))
+                pinned.setdefault("agent", got)
                 bar.update()
                 return got
             got = {}
