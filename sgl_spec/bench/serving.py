@@ -84,10 +84,10 @@ def parse(output_file: str) -> dict:
     return json.loads(lines[-1])
 
 
-def run(cfg: ServingConfig, base_url: str, model: str, output_file: str,
-        log_path: str, timeout_s: float = 1800.0) -> ServingResult:
-    """Run bench_serving once; raises with the log tail when it fails."""
-    cmd = command(cfg, base_url, model, output_file)
+def run_command(cmd: list[str], output_file: str, num_prompts: int, log_path: str,
+                timeout_s: float = 1800.0) -> dict:
+    """Run one bench_serving command line; its parsed output file. Raises with the log
+    tail when it fails, or when fewer than ``num_prompts`` requests completed."""
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -100,11 +100,19 @@ def run(cfg: ServingConfig, base_url: str, model: str, output_file: str,
             f"bench_serving exited with {proc.returncode}; log {log_path}:\n{tail(log_path)}"
         )
     raw = parse(output_file)
-    if raw.get("completed") != cfg.num_prompts:
+    if raw.get("completed") != num_prompts:
         raise RuntimeError(
-            f"bench_serving completed {raw.get('completed')} of {cfg.num_prompts} "
-            f"requests; errors: {[e for e in raw.get('errors', []) if e][:3]}"
+            f"bench_serving completed {raw.get('completed')} of {num_prompts} "
+            f"requests; errors: {[e for e in raw.get('errors', []) if e][:3]}; log {log_path}"
         )
+    return raw
+
+
+def run(cfg: ServingConfig, base_url: str, model: str, output_file: str,
+        log_path: str, timeout_s: float = 1800.0) -> ServingResult:
+    """Run bench_serving once; raises with the log tail when it fails."""
+    cmd = command(cfg, base_url, model, output_file)
+    raw = run_command(cmd, output_file, cfg.num_prompts, log_path, timeout_s)
     cache = raw.get("cache_report") or {}
     return ServingResult(
         metrics={k: raw[k] for k in METRICS if k in raw},

@@ -178,18 +178,8 @@ def bench_serving_cmd(url: str, model: str, out_file: str, dataset: str, prompts
 def run_bench_serving(cmd: list[str], log_path: str, prompts: int) -> dict:
     from sgl_spec.bench import serving
 
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, timeout=7200).returncode
-    if rc != 0:
-        raise RuntimeError(f"bench_serving exited with {rc}; log {log_path}:\n"
-                           f"{tail(log_path)}")
-    raw = serving.parse(cmd[cmd.index("--output-file") + 1])
-    if raw.get("completed") != prompts:
-        raise RuntimeError(f"bench_serving completed {raw.get('completed')} of {prompts}; "
-                           f"log {log_path}")
+    out_file = cmd[cmd.index("--output-file") + 1]
+    raw = serving.run_command(cmd, out_file, prompts, log_path, timeout_s=7200)
     return {k: raw[k] for k in serving.METRICS if k in raw}
 
 
