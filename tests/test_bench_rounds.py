@@ -107,6 +107,15 @@ def test_recall_parts_pool_into_one_table(tmp_path):
         rounds.pool_recall([a, d])
 
 
+def test_pooled_share_weights_parts_by_the_tokens_they_saw():
+    assert rounds.pooled_share([{"kept_share": 0.1, "tokens_seen": 300},
+                                {"kept_share": 0.3, "tokens_seen": 100}]) == pytest.approx(0.15)
+    # runs that did not record tokens_seen: the plain mean
+    assert rounds.pooled_share([{"kept_share": 0.1}, {"kept_share": 0.3, "tokens_seen": 100}]
+                               ) == pytest.approx(0.2)
+    assert rounds.pooled_share([{"kept_share": None}, {"kept_share": 0.3}]) is None
+
+
 def test_a_part_outside_the_preset_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         rounds.main(["--workload", "speed", "--part", "0", "2", "--out", "/tmp/x"])

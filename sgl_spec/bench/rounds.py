@@ -223,7 +223,8 @@ def play_recall(server: ServerProcess, row: str, convs, bar) -> dict:
                         "em": exact_match(r.text, gold)})
             bar.update()
     tiers = _cache(server.url).get("tiers") if row != "stock" else None
-    return {"answers": out, "kept_share": tiers and tiers["kept_share"]}
+    return {"answers": out, "kept_share": tiers and tiers["kept_share"],
+            "tokens_seen": tiers and tiers.get("tokens_seen")}
 
 
 def recall_set(tok, n: int, rounds: tuple[int, int], round_tokens: tuple[int, int],
@@ -310,6 +311,18 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
     return out
 
 
+def pooled_share(parts: list[dict]) -> float | None:
+    """k/T over parts: weighted by the tokens each part's selections saw where every part
+    recorded them, else the parts' plain mean (runs before ``tokens_seen`` was kept)."""
+    shares = [p.get("kept_share") for p in parts]
+    if any(s is None for s in shares):
+        return None
+    seen = [p.get("tokens_seen") for p in parts]
+    if all(seen):
+        return sum(s * n for s, n in zip(shares, seen, strict=True)) / sum(seen)
+    return statistics.mean(shares)
+
+
 def pool_recall(dirs: list[str]) -> dict:
     """The recall runs in ``dirs`` (parts of one preset) as one result: their answers
     joined per row, summarised again. Raises ValueError on runs that do not belong
@@ -335,10 +348,7 @@ def pool_recall(dirs: list[str]) -> dict:
             raise ValueError(f"{d} plays conversations another run played")
         seen |= set(range(lo, hi))
     played = {row: [{"answers": [a for r in runs for a in r["played"][row][0]["answers"]],
-                     "kept_share": statistics.mean(r["played"][row][0]["kept_share"]
-                                                   for r in runs)
-                     if all(r["played"][row][0]["kept_share"] is not None for r in runs)
-                     else None}]
+                     "kept_share": pooled_share([r["played"][row][0] for r in runs])}]
               for row in first["rows"]}
     cfg = dict(first, part=sorted(seen), pooled=dirs)
     return {"meta": {"git": [r["meta"].get("git") for r in runs],
