@@ -418,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_doc_chars <= 0:
         parser.error(f"--max-doc-chars={args.max_doc_chars} must be positive")
+    wrong = "--model" if args.api == "sglang" and args.model else (
+        "--chat-template" if args.api == "openai" and args.chat_template else None)
+    if wrong:
+        parser.error(f"{wrong} is read only with --api "
+                     f"{'openai' if wrong == '--model' else 'sglang'}; valid: drop it")
     try:
         config = AgentConfig(max_sub_questions=args.sub_questions,
                              plan_tokens=args.plan_tokens, answer_tokens=args.answer_tokens,
