@@ -246,10 +246,11 @@ def play_agent(url: str, pinned: dict | None) -> dict:
     round_play.ask(url, [{"role": "user", "content": "Say hello."}], 8)  # warm-up
     out = {}
     for name in AGENT_DOCS:
-        first = pinned and ra.AgentResult(**{k: pinned[name][k] for k in (
-            "question", "plan", "sub_questions", "sub_answers", "report", "follow_up")})
+        first = ra.AgentResult(**{k: pinned[name][k] for k in (
+            "question", "plan", "sub_questions", "sub_answers", "report", "follow_up")}
+        ) if pinned else None
         res = ra.run_research_openai(url, ra.stdlib_document(name), follow_up=AGENT_FOLLOW_UP,
-                                     pinned=first or None)
+                                     pinned=first)
         out[name] = res.to_json()
     return out
 
