@@ -120,3 +120,39 @@ def test_a_part_outside_the_preset_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         rounds.main(["--workload", "speed", "--part", "0", "2", "--out", "/tmp/x"])
     assert e.value.code == 2 and "--part A B needs --workload recall" in capsys.readouterr().err
+
+
+def test_losses_are_the_questions_a_round_row_missed_and_exact_answered(tmp_path):
+    from sgl_spec.bench import round_why
+
+    run = _recall_run(tmp_path, "a", [4, 6], {"exact": "110", "round-topk": "100"})
+    # conversation 4 of the preset plays first: its middle question is the one lost
+    assert round_why.losses(run) == [{"conv": 4, "position": "middle",
+                                      "rows": {"round-topk": "0"}}]
+    q = {"rows": {"round-topk": "4821", "round-fixed": "1111", "round-adaptive": "9"},
+         "kept": {"topk": True, "fixed": False, "adaptive": True},
+         "picked": {"topk": [3, 7], "fixed": [7], "adaptive": [7]},
+         "value_round": {"4821": 3, "1111": 5}}
+    assert round_why.verdict(q) == {"round-topk": "misread: round 3's value (kept)",
+                                    "round-fixed": "selection miss (round 5's value)",
+                                    "round-adaptive": "misread: no round's value"}
+
+
+def test_the_selection_is_replayed_on_the_recall_presets_questions(model_path, tmp_path,
+                                                                   capsys):
+    import json
+
+    from sgl_spec.bench import round_why
+
+    round_why.main(["--quick", "--ask", "0:recent", "1:early", "--watershed", "8",
+                    "--model-path", model_path, "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    for q in res["questions"]:
+        assert q["rounds"] >= 20 and q["picked"]["topk"][-1] == q["rounds"]  # recent kept
+        assert q["kept"]["topk"] == (q["asked_round"] in q["picked"]["topk"])
+        assert 1 <= q["asked_rank"] <= q["rounds"] and 0 < q["asked_share"] < 1
+        assert sum(t["share"] for t in q["top"]) <= 1 + 1e-6
+    assert "| 0 | recent |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        round_why.main(["--quick", "--ask", "0:late", "--watershed", "8"])
+    assert e.value.code == 2 and "early, middle, recent" in capsys.readouterr().err

@@ -85,7 +85,8 @@ def capture(model, ids: list[int]) -> list[LayerQK]:
     global _SINK
     _SINK = []
     try:
-        model(torch.tensor([ids]), use_cache=False)
+        # logits_to_keep=1: the LM head over every position would cost more than the layers
+        model(torch.tensor([ids]), use_cache=False, logits_to_keep=1)
         out = _SINK
     finally:
         _SINK = None
