@@ -144,7 +144,7 @@ def test_the_selection_is_replayed_on_the_recall_presets_questions(model_path, t
 
     from sgl_spec.bench import round_why
 
-    round_why.main(["--quick", "--ask", "0:recent", "1:early", "--watershed", "8",
+    round_why.main(["--quick", "--ask", "0:recent", "--watershed", "4",
                     "--model-path", model_path, "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     for q in res["questions"]:
