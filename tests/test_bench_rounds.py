@@ -129,6 +129,9 @@ def test_losses_are_the_questions_a_round_row_missed_and_exact_answered(tmp_path
     # conversation 4 of the preset plays first: its middle question is the one lost
     assert round_why.losses(run) == [{"conv": 4, "position": "middle",
                                       "rows": {"round-topk": "0"}}]
+    wrong = round_why.losses(run, "wrong")  # the recent one: both rows wrong
+    assert [(q["conv"], q["position"]) for q in wrong] == [(4, "middle"), (4, "recent")]
+    assert len(round_why.losses(run, "all")) == 3
     q = {"rows": {"round-topk": "4821", "round-fixed": "1111", "round-adaptive": "9"},
          "kept": {"topk": True, "fixed": False, "adaptive": True},
          "picked": {"topk": [3, 7], "fixed": [7], "adaptive": [7]},

@@ -6,8 +6,9 @@ scores the earlier rounds as a server does there (``select.piece_peak`` and
 ``round_scores`` on the question's last ``SCORE_QUERIES`` queries). Per question: the asked
 round's rank and share, whether each strategy keeps it (with the last ``--recent`` rounds
 and the most attended one, as a server does), and the top rounds with their facts' keys.
-With ``--losses``, the questions a round row answered wrong where exact was right, and the
-round whose fact each wrong answer is. A miss then reads as either
+With ``--losses``, the questions a round row answered wrong where exact was right (or,
+``--which``, every wrong one), and the round whose fact each wrong answer is. A miss then
+reads as either
 
 * a *selection miss*: the asked round was not kept, or
 * a *misread*: it was kept, and the answer came from another kept round (its key is
@@ -29,16 +30,33 @@ import torch
 from tqdm import tqdm
 
 from sgl_spec.bench import cli
-from sgl_spec.bench.rounds import POSITIONS, RECALL_ROUND_TOKENS, recall_preset, recall_set
+from sgl_spec.bench.rounds import (
+    POSITIONS,
+    RECALL_ROUND_TOKENS,
+    recall_preset,
+    recall_set,
+)
 from sgl_spec.rounds.runtime import SCORE_QUERIES
-from sgl_spec.rounds.select import STRATEGIES, piece_peak, round_scores, select, strategy
+from sgl_spec.rounds.select import (
+    STRATEGIES,
+    piece_peak,
+    round_scores,
+    select,
+    strategy,
+)
 
 TOP = 4  # rounds listed per question
 
 
-def losses(run_dir: str) -> list[dict]:
+WHICH = ("lost", "wrong", "all")  # --which: exact right and a round row wrong; any wrong
+
+
+def losses(run_dir: str, which: str = "lost") -> list[dict]:
     """The questions of a recall run (``bench.rounds --out``) that a round row answered
-    wrong and exact right: [{conv, position, rows: {row: answer}}]."""
+    wrong and exact right (``which`` "lost"), that a round row answered wrong ("wrong"),
+    or every one ("all"): [{conv, position, rows: {row: its wrong answer}}]."""
+    if which not in WHICH:
+        raise ValueError(f"which {which!r} is invalid; valid: {', '.join(WHICH)}")
     with open(os.path.join(run_dir, "results.json")) as f:
         res = json.load(f)
     first = (res["config"].get("part") or [0])[0]
@@ -48,8 +66,10 @@ def losses(run_dir: str) -> list[dict]:
     out: dict[tuple[int, str], dict] = {}
     for row, answers in played.items():
         for i, (a, ref) in enumerate(zip(answers, played["exact"], strict=True)):
-            if row != "exact" and ref["em"] and not a["em"]:
-                key = (first + i // len(POSITIONS), a["position"])
+            key = (first + i // len(POSITIONS), a["position"])
+            if which == "all":
+                out.setdefault(key, {"conv": key[0], "position": key[1], "rows": {}})
+            if row != "exact" and not a["em"] and (ref["em"] or which != "lost"):
                 out.setdefault(key, {"conv": key[0], "position": key[1], "rows": {}})
                 out[key]["rows"][row] = a["text"]
     return sorted(out.values(), key=lambda d: (d["conv"], POSITIONS.index(d["position"])))
@@ -123,10 +143,10 @@ def verdict(q: dict) -> dict[str, str]:
 
 
 def markdown(res: dict) -> str:
+    kept_by = f"kept by {' / '.join(STRATEGIES)}"
     lines = [f"# Round selection replayed at L_w {res['watershed']} (float32)", "",
              f"Model {res['model']}; recent rounds always kept: {res['recent']}.", "",
-             "| conv | position | asked round (rank, share) | kept by "
-             f"{' / '.join(STRATEGIES)} | top rounds | lost by |",
+             f"| conv | position | asked round (rank, share) | {kept_by} | top rounds | lost by |",
              "|---|---|---|---|---|---|"]
     for q in res["questions"]:
         top = "; ".join(f"{t['round']} ({t['share']:.3f}, {t['key']})" for t in q["top"])
@@ -148,15 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     group.add_argument("--ask", nargs="+", metavar="CONV:POSITION",
                        help=f"questions to replay (POSITION: {', '.join(POSITIONS)})")
     group.add_argument("--losses", nargs="+", metavar="RUN",
-                       help="replay every question of these recall runs (bench.rounds --out) "
-                       "that a round row lost and exact answered")
+                       help="replay the questions of these recall runs (bench.rounds --out) "
+                       "that --which picks")
+    ap.add_argument("--which", choices=WHICH, default="lost",
+                    help="with --losses: lost (a round row wrong where exact was right; the "
+                    "default), wrong (a round row wrong), all")
     ap.add_argument("--recent", type=int, default=1, metavar="N",
                     help="rounds before the question always kept (--spec-round-recent)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
         qs = ([parse_ask(s) for s in args.ask] if args.ask else
-              [q for run in args.losses for q in losses(run)])
+              [q for run in args.losses for q in losses(run, args.which)])
     except (ValueError, OSError, KeyError) as e:
         ap.error(str(e))
     if args.recent < 0:
