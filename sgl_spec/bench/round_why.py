@@ -14,6 +14,9 @@ reads as either
 * a *misread*: it was kept, and the answer came from another kept round (its key is
   often nearly the asked one).
 
+Neither is certain: the layers below L_w read every round, so a question can be answered
+from a round the selection left (what they carried into the question's own tokens).
+
 The served selection reads the pool's keys (bfloat16 by default); float32 ranks can
 differ where two rounds' scores are close.
 
