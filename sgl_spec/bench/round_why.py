@@ -35,7 +35,6 @@ from tqdm import tqdm
 from sgl_spec.bench import cli
 from sgl_spec.bench.rounds import (
     POSITIONS,
-    RECALL_ROUND_TOKENS,
     recall_preset,
     recall_set,
 )
@@ -188,14 +187,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.recent < 0:
         ap.error("--recent must be >= 0")
     model_path = cli.model_path(ap, args.model_path)
-    n, rr = recall_preset(args.quick)
+    n, rr, round_tokens = recall_preset(args.quick)
     if bad := [q["conv"] for q in qs if q["conv"] >= n]:
         ap.error(f"conversation(s) {bad} outside the preset's 0..{n - 1}")
     try:
         model, tok = load_lower(model_path, args.watershed)
     except ValueError as e:
         ap.error(str(e))
-    convs = recall_set(tok, n, rr, (60, 120) if args.quick else RECALL_ROUND_TOKENS, args.seed)
+    convs = recall_set(tok, n, rr, round_tokens, args.seed)
     for q in tqdm(qs, desc="round_why: questions", unit="q"):
         q.update(explain(model, tok, *convs[q["conv"]], q["position"], args.recent))
         q["verdict"] = verdict(q)

@@ -227,12 +227,13 @@ def play_recall(server: ServerProcess, row: str, convs, bar) -> dict:
             "tokens_seen": tiers and tiers.get("tokens_seen")}
 
 
-RECALL_ROUND_TOKENS = (300, 420)  # 8k-16k tokens of history: the long-context model's
-
-
-def recall_preset(quick: bool, conversations: int | None = None) -> tuple[int, tuple[int, int]]:
-    """The recall preset's (conversations, (lo, hi) rounds); ``--quick``: three short."""
-    return (conversations or (3 if quick else 18)), ((20, 24) if quick else (20, 40))
+def recall_preset(quick: bool, conversations: int | None = None
+                  ) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """The recall preset's conversations, (lo, hi) rounds and (lo, hi) prose tokens per
+    round (8k-16k tokens of history: the long-context model's); ``--quick``: three short."""
+    if quick:
+        return conversations or 3, (20, 24), (60, 120)
+    return conversations or 18, (20, 40), (300, 420)
 
 
 def recall_set(tok, n: int, rounds: tuple[int, int], round_tokens: tuple[int, int],
@@ -470,8 +471,8 @@ def main(argv: list[str] | None = None) -> None:
                                   0 <= args.part[0] < args.part[1]):
         ap.error("--part A B needs --workload recall and 0 <= A < B")
     if args.round_tokens is None:
-        args.round_tokens = RECALL_ROUND_TOKENS if args.workload == "recall" and not \
-            args.quick else (60, 120)
+        args.round_tokens = recall_preset(args.quick)[2] if args.workload == "recall" \
+            else (60, 120)
     rows = [row_name(r) for r in (args.rows or DEFAULT_ROWS[args.workload])]
     rows = list(dict.fromkeys(rows))
     if args.workload != "capacity" and "exact" not in rows:
@@ -552,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
         budget = int(1.5 * sum(n_tokens(tok, c.messages) for c in convs)) + 2048
         total = args.rounds * len(rows) * n * (rounds + len(waves))
     else:
-        n, rr = recall_preset(q, args.conversations)
+        n, rr, _ = recall_preset(q, args.conversations)
         convs = recall_set(tok, n, rr, tuple(args.round_tokens), args.seed)
         longest = max(n_tokens(tok, c.messages) for c, _ in convs)
         budget = int(longest * 2) + 2048  # the whole preset's, so parts run alike
