@@ -48,8 +48,6 @@ from sgl_spec.rounds.select import (
 )
 
 TOP = 4  # rounds listed per question
-
-
 WHICH = ("lost", "wrong", "all")  # --which: exact right and a round row wrong; any wrong
 
 
@@ -107,8 +105,8 @@ def explain(model, tok, conv, asks, position: str, recent: int) -> dict:
     msgs, gold = next((m, g) for p, m, g in asks if p == position)
     values = [f.value for f in conv.facts]
     asked = values.index(gold)  # 0-based: round asked + 1
-    ids = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
-    ids = tok.encode(ids, add_special_tokens=False)
+    text = tok.apply_chat_template(list(msgs), tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
     spans = round_spans(ids, derive(tok))
     if len(spans) != conv.rounds:
         raise RuntimeError(f"the template yields {len(spans)} rounds, the chat has {conv.rounds}")
