@@ -122,7 +122,7 @@ def test_a_part_outside_the_preset_is_refused(capsys):
     assert e.value.code == 2 and "--part A B needs --workload recall" in capsys.readouterr().err
 
 
-def test_losses_are_the_questions_a_round_row_missed_and_exact_answered(tmp_path):
+def test_losses_are_the_questions_a_round_row_missed_and_exact_answered(tmp_path, capsys):
     from sgl_spec.bench import round_why
 
     run = _recall_run(tmp_path, "a", [4, 6], {"exact": "110", "round-topk": "100"})
@@ -132,6 +132,9 @@ def test_losses_are_the_questions_a_round_row_missed_and_exact_answered(tmp_path
     wrong = round_why.losses(run, "wrong")  # the recent one: both rows wrong
     assert [(q["conv"], q["position"]) for q in wrong] == [(4, "middle"), (4, "recent")]
     assert len(round_why.losses(run, "all")) == 3
+    with pytest.raises(SystemExit) as e:  # the run's L_w is 12: its questions are not these
+        round_why.main(["--losses", run, "--watershed", "8"])
+    assert e.value.code == 2 and "watershed 12 (here 8)" in capsys.readouterr().err
     q = {"rows": {"round-topk": "4821", "round-fixed": "1111", "round-adaptive": "9"},
          "kept": {"topk": True, "fixed": False, "adaptive": True},
          "picked": {"topk": [3, 7], "fixed": [7], "adaptive": [7]},

@@ -33,11 +33,7 @@ import torch
 from tqdm import tqdm
 
 from sgl_spec.bench import cli
-from sgl_spec.bench.rounds import (
-    POSITIONS,
-    recall_preset,
-    recall_set,
-)
+from sgl_spec.bench.rounds import POSITIONS, recall_preset, recall_set
 from sgl_spec.rounds.runtime import SCORE_QUERIES
 from sgl_spec.rounds.select import (
     STRATEGIES,
@@ -51,15 +47,22 @@ TOP = 4  # rounds listed per question
 WHICH = ("lost", "wrong", "all")  # --which: exact right and a round row wrong; any wrong
 
 
-def losses(run_dir: str, which: str = "lost") -> list[dict]:
+def losses(run_dir: str, which: str = "lost", preset: dict | None = None) -> list[dict]:
     """The questions of a recall run (``bench.rounds --out``) that a round row answered
     wrong and exact right (``which`` "lost"), that a round row answered wrong ("wrong"),
-    or every one ("all"): [{conv, position, rows: {row: its wrong answer}}]."""
+    or every one ("all"): [{conv, position, rows: {row: its wrong answer}}]. ValueError
+    where the run's config differs from ``preset``'s keys (another preset or L_w: its
+    questions would be replayed on other conversations)."""
     if which not in WHICH:
         raise ValueError(f"which {which!r} is invalid; valid: {', '.join(WHICH)}")
     with open(os.path.join(run_dir, "results.json")) as f:
         res = json.load(f)
-    first = (res["config"].get("part") or [0])[0]
+    cfg = res["config"]
+    if bad := [f"{k} {cfg.get(k)} (here {v})" for k, v in (preset or {}).items()
+               if cfg.get(k) != v]:
+        raise ValueError(f"{run_dir} played another preset: {', '.join(bad)}; pass the "
+                         "run's own --watershed, --seed and --quick")
+    first = (cfg.get("part") or [0])[0]
     played = {row: runs[0]["answers"] for row, runs in res["played"].items()}
     if "exact" not in played:
         raise ValueError(f"{run_dir}: no exact row to compare with")
@@ -177,15 +180,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="rounds before the question always kept (--spec-round-recent)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    n, rr, round_tokens = recall_preset(args.quick)
+    preset = {"watershed": args.watershed, "seed": args.seed, "conversations": n,
+              "rounds_range": list(rr), "round_tokens": list(round_tokens)}
     try:
         qs = ([parse_ask(s) for s in args.ask] if args.ask else
-              [q for run in args.losses for q in losses(run, args.which)])
+              [q for run in args.losses for q in losses(run, args.which, preset)])
     except (ValueError, OSError, KeyError) as e:
         ap.error(str(e))
     if args.recent < 0:
         ap.error("--recent must be >= 0")
     model_path = cli.model_path(ap, args.model_path)
-    n, rr, round_tokens = recall_preset(args.quick)
     if bad := [q["conv"] for q in qs if q["conv"] >= n]:
         ap.error(f"conversation(s) {bad} outside the preset's 0..{n - 1}")
     try:
