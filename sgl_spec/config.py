@@ -232,7 +232,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-round-strategy", "rounds", "strategy", "choice",
          "Which earlier rounds a question attends past L_w, from its attention at L_w "
          "(qAtt): 'topk' the top tenth, 'fixed' those over 0.1 of it, 'adaptive' those over "
-         "mean + 3 std; the most attended round and the last --spec-round-recent rounds "
+         "mean + 3 std (sigma-clipped: again over the rest until none is new); the most "
+         "attended round and the last --spec-round-recent rounds "
          "are always kept.", ROUND_STRATEGIES),
     Flag("--spec-round-recent", "rounds", "recent", "int",
          "Rounds just before a question kept whatever the strategy picks."),

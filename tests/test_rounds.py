@@ -75,6 +75,16 @@ def test_topk_takes_a_tenth_rounded_up_and_adaptive_takes_outliers():
     assert select.strategy("adaptive").pick(share).nonzero().flatten().tolist() == [7]
 
 
+def test_adaptive_sets_an_outlier_aside_and_looks_again():
+    # one pass: mean 0.05, std 0.111, > 0.382 picks the 0.5 only (its weight in the std
+    # hides the 0.2); over the other 19: mean 0.026, std 0.041, > 0.149 picks the 0.2;
+    # over the 18 equal ones nothing more
+    share = torch.tensor([0.5, 0.2] + [0.3 / 18] * 18)
+    assert select.strategy("adaptive").pick(share).nonzero().flatten().tolist() == [0, 1]
+    assert (share > share.mean() + 3 * share.std(unbiased=False)).nonzero().flatten(
+        ).tolist() == [0]
+
+
 def test_an_unknown_strategy_names_the_valid_ones():
     with pytest.raises(ValueError, match="valid: topk, fixed, adaptive"):
         select.strategy("best")

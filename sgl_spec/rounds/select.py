@@ -9,7 +9,10 @@ A registry of strategies (``--spec-round-strategy``):
 * ``topk``: the top 10% of the rounds by attention (at least one), the paper's
   Strategy 2 (the top 10% hold over 80% of the mass);
 * ``fixed``: the rounds whose share exceeds a fixed threshold (0.1), Strategy 1;
-* ``adaptive``: the rounds whose share exceeds mean + 3 std of the shares (the outliers).
+* ``adaptive``: the rounds whose share exceeds mean + 3 std of the shares (the outliers),
+  Strategy 3, sigma-clipped: the outliers found are set aside and mean + 3 std is taken
+  again over the rest until no new one exceeds it, so that one dominant round's weight in
+  the std does not hide a second (the masking effect of a single pass).
 
 Whatever a strategy picks, ``select`` also keeps the ``recent`` rounds just before the
 question (a follow-up usually refers to them) and at least the most attended round; the
@@ -60,7 +63,14 @@ class Adaptive(RoundStrategy):
     sigmas = 3.0
 
     def pick(self, share):
-        return share > share.mean() + self.sigmas * share.std(unbiased=False)
+        mask = torch.zeros_like(share, dtype=torch.bool)
+        while (~mask).sum() > 1:
+            rest = share[~mask]
+            new = ~mask & (share > rest.mean() + self.sigmas * rest.std(unbiased=False))
+            if not new.any():
+                break
+            mask |= new
+        return mask
 
 
 STRATEGIES: dict[str, type[RoundStrategy]] = {c.name: c for c in (TopK, Fixed, Adaptive)}

@@ -41,7 +41,7 @@ from .select import STRATEGIES, round_scores, select, strategy
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = 3  # 2: the selection's recall per layer; 3: ranked by the peak score
+_FORMAT = 4  # 2: the recall per layer; 3: ranked by the peak score; 4: adaptive clipped
 EPS = 1e-6  # added to every round's mass before the KL: empty rounds have log 0
 
 
