@@ -31,6 +31,18 @@ def test_recall_questions_ask_an_early_a_middle_and_a_recent_round(hf_tok):
             assert msgs[: 2 * k + 1] == list(conv.messages[:-1])
 
 
+def test_the_asked_rounds_selection_is_read_from_the_servers_newest():
+    sels = [{"rid": "a", "rounds": [1, 2, 3], "share": [0.5, 0.2, 0.3], "kept": [0, 1, 3]},
+            {"rid": "b", "rounds": [1, 2, 3], "share": None, "kept": [0, 1, 2, 3]},
+            {"rid": "a", "rounds": [1, 2, 3, 4], "share": [0.1, 0.4, 0.3, 0.2],
+             "kept": [0, 2, 4]}]
+    got = rounds.asked_selection(sels, "a", 3)  # the newest of a's: 3 ranks 2nd, left out
+    assert got["asked_rank"] == 2 and got["asked_share"] == 0.3 and not got["asked_kept"]
+    assert got["kept"] == [0, 2, 4] and got["share"] == {1: 0.1, 2: 0.4, 3: 0.3, 4: 0.2}
+    assert rounds.asked_selection(sels, "b", 2) == {"kept": [0, 1, 2, 3], "asked_kept": True}
+    assert rounds.asked_selection(sels, "c", 1) is None
+
+
 def _capacity(running, tok_s, nbytes, share):
     probe = {"bytes": nbytes, "kept_share": share}
     return {"conversations": 8, "peak_running": running, "retracted": 0, "history_cached": running, "output_tok_s": tok_s,
@@ -70,7 +82,9 @@ def test_side_by_side_questions_rotate_the_rows():
     assert [o[0] for o in orders] == rows * 2  # each row first as often as the others
 
 
-def _recall_run(tmp_path, name, part, answers, **cfg):
+def _recall_run(tmp_path, name, part, answers, kept=None, **cfg):
+    """A recall run's results.json; ``kept``: per round row, whether each question's
+    selection kept its asked round ("1"/"0"; runs before selections were recorded: none)."""
     import json
 
     d = tmp_path / name
@@ -82,6 +96,9 @@ def _recall_run(tmp_path, name, part, answers, **cfg):
                                  for p, t in zip(rounds.POSITIONS, answers[row])],
                      "kept_share": None if row == "exact" else 0.2}]
               for row in config["rows"]}
+    for row, ks in (kept or {}).items():
+        for a, k in zip(played[row][0]["answers"], ks, strict=True):
+            a["selection"] = {"kept": [0, 1], "asked_kept": k == "1"}
     (d / "results.json").write_text(json.dumps({"meta": {"git": name}, "workload": "recall",
                                                 "config": config, "played": played}))
     return str(d)
@@ -99,6 +116,15 @@ def test_recall_parts_pool_into_one_table(tmp_path):
     assert res["config"]["part"] == [0, 1] and s["round-topk"]["n"] == 6
     md = rounds.markdown(res)
     assert "2 of them: 2 question(s) per position" in md
+    assert s["round-topk"]["asked_kept"] is None  # runs without the selections recorded
+    k = rounds.pool_recall([_recall_run(tmp_path, f"k{i}", [i, i + 1], answers,
+                                        kept={"round-topk": ks})
+                            for i, (answers, ks) in enumerate([
+                                ({"exact": "111", "round-topk": "101"}, "101"),
+                                ({"exact": "111", "round-topk": "111"}, "011")])])
+    assert k["summary"]["round-topk"]["asked_kept"] == {"early": 50.0, "middle": 50.0,
+                                                        "recent": 100.0}
+    assert "| 50.0 / 50.0 / 100.0 |" in rounds.markdown(k)
     c = _recall_run(tmp_path, "c", [1, 3], {"exact": "111", "round-topk": "111"})
     with pytest.raises(ValueError, match="another run played"):
         rounds.pool_recall([a, b, c])

@@ -114,6 +114,11 @@ def test_a_long_conversation_selects_rounds_and_gives_every_slot_back(rounds_ser
     assert t["device_bytes"]["lower"] == per_token["lower"] * (POOL + 1)
     assert t["upper_slots_used"] == 0 and t["working_sets"] == 0
     assert t["watershed"] == WATERSHED and t["unstored_tokens"] == 0
+    # the question's selection, as the endpoint shows it: the candidates' shares, the
+    # system prompt's round and the last one kept
+    sel = t["last_selections"][-1]
+    assert len(sel["share"]) == len(sel["rounds"]) and abs(sum(sel["share"]) - 1) < 1e-3
+    assert {0, sel["rounds"][-1]} <= set(sel["kept"]) and sel["rid"], sel
     # six selections (the 5th question to the last): a round none kept is dropped, its
     # host rows freed
     assert t["dropped_rounds"] - before["dropped_rounds"] >= 1, t

@@ -29,6 +29,7 @@ class Reply:
     prompt_tokens: int
     first_at: float | None = None  # perf_counter of the first and the last token
     last_at: float | None = None
+    rid: str | None = None  # the server's request id (the chunks' id)
 
 
 def peak_overlap(replies: list[Reply]) -> int:
@@ -63,7 +64,7 @@ def ask(url: str, messages: list[dict], max_tokens: int, ignore_eos: bool = Fals
     import json
 
     t0 = time.perf_counter()
-    stamps, parts, usage = [], [], {}
+    stamps, parts, usage, rid = [], [], {}, None
     with requests.post(url + "/v1/chat/completions", json=body, stream=True,
                        timeout=timeout) as r:
         r.raise_for_status()
@@ -71,6 +72,7 @@ def ask(url: str, messages: list[dict], max_tokens: int, ignore_eos: bool = Fals
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
+            rid = rid or chunk.get("id")
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for c in chunk.get("choices") or ():
@@ -83,7 +85,7 @@ def ask(url: str, messages: list[dict], max_tokens: int, ignore_eos: bool = Fals
         else None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return Reply("".join(parts), ttft, rate, n, cached, usage.get("prompt_tokens", 0),
-                 stamps[0] if stamps else None, stamps[-1] if stamps else None)
+                 stamps[0] if stamps else None, stamps[-1] if stamps else None, rid)
 
 
 _METRIC = re.compile(r"^(sglang:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$")

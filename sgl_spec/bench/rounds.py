@@ -212,15 +212,36 @@ def play_speed(servers: dict[str, ServerProcess], convs, warmups, waves, tokens:
             for row in rows}
 
 
+def asked_selection(selections: list[dict], rid: str | None, asked: int) -> dict | None:
+    """From the server's newest selections (``GET /sgl_spec/cache`` -> tiers ->
+    last_selections), request ``rid``'s: the candidate rounds' shares, the rounds kept,
+    whether the asked round was kept and its rank among the candidates; None where the
+    server made none for it."""
+    sel = next((x for x in reversed(selections) if x["rid"] == rid), None)
+    if sel is None:
+        return None
+    out = {"kept": sel["kept"], "asked_kept": asked in sel["kept"]}
+    if sel["share"] is not None and asked in sel["rounds"]:
+        share = dict(zip(sel["rounds"], sel["share"], strict=True))
+        out.update(share=share, asked_share=share[asked],
+                   asked_rank=1 + sum(v > share[asked] for v in share.values()))
+    return out
+
+
 def play_recall(server: ServerProcess, row: str, convs, bar) -> dict:
     out = []
     for conv, asks in convs:
         round_play.history(server.url, conv)
         bar.update(conv.rounds)
+        values = [f.value for f in conv.facts]
         for pos, msgs, gold in asks:
             r = round_play.ask(server.url, msgs, QUESTION_TOKENS)
-            out.append({"position": pos, "text": r.text, "gold": gold,
-                        "em": exact_match(r.text, gold)})
+            a = {"position": pos, "text": r.text, "gold": gold,
+                 "em": exact_match(r.text, gold), "asked_round": values.index(gold) + 1}
+            if row.startswith("round-"):
+                sels = (_cache(server.url).get("tiers") or {}).get("last_selections") or []
+                a["selection"] = asked_selection(sels, r.rid, a["asked_round"])
+            out.append(a)
             bar.update()
     tiers = _cache(server.url).get("tiers") if row != "stock" else None
     return {"answers": out, "kept_share": tiers and tiers["kept_share"],
@@ -292,8 +313,13 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
             if ref is not None:
                 agree = sum(a["text"] == b["text"] for a, b in
                             zip(ans, ref[0]["answers"], strict=True)) / len(ans)
+            sel = [a["selection"] for a in ans if a.get("selection")]
             out[row] = {"em": em, "greedy_agreement": agree, "n": len(ans),
-                        "kept_share": runs[0]["kept_share"]}
+                        "kept_share": runs[0]["kept_share"],
+                        "asked_kept": {p: 100 * statistics.mean(
+                            a["selection"]["asked_kept"] for a in ans
+                            if a["position"] == p and a.get("selection"))
+                            for p in POSITIONS} if len(sel) == len(ans) else None}
     base = out.get("exact")
     for row, s in out.items():
         if base is None or row == "exact":
@@ -412,11 +438,13 @@ def markdown(res: dict) -> str:
         lines += [f"Preset: {c['conversations']} conversations of {c['rounds_range'][0]}-"
                   f"{c['rounds_range'][1]} rounds (seed {c['seed']}); played {played}: "
                   f"{n} question(s) per position.", "",
-                  "| row | EM early / middle / recent | vs exact | greedy = exact | k/T |",
-                  "|---|---|---|---|---|"]
+                  ("| row | EM early / middle / recent | vs exact | greedy = exact | k/T | "
+                   "asked round kept |"),
+                  "|---|---|---|---|---|---|"]
         for row, r in s.items():
             lines.append(f"| {row} | {cell(r['em'])} | {cell(r.get('em_vs_exact'), 'd')} | "
-                         f"{cell(r['greedy_agreement'])} | {cell(r['kept_share'], '.3f')} |")
+                         f"{cell(r['greedy_agreement'])} | {cell(r['kept_share'], '.3f')} | "
+                         f"{cell(r.get('asked_kept'))} |")
     return "\n".join(lines) + "\n"
 
 

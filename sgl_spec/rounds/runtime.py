@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 SCORE_QUERIES = 64  # the question's last tokens whose attention at L_w scores the rounds
 SEED_TTL = 8  # forward passes an unread seed is kept (a request aborted in the queue)
 MAX_SEEDS = 4096
+LAST_SELECTIONS = 32  # the newest selections GET /sgl_spec/cache shows (``last_selections``)
 
 
 class CapacityError(RuntimeError):
@@ -73,6 +74,7 @@ class _Req:
     kept: list[int] | None = None  # indices into history.rounds (None: not selected yet)
     kept_pos: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     stored: list[StoredRound] = field(default_factory=list)  # its own rounds, stored
+    rid: str = ""
 
     def own_full(self) -> torch.Tensor:
         """Full slots of positions own_start, own_start + 1, ... (this request's)."""
@@ -103,6 +105,9 @@ class RoundRuntime:
         self._pass = 0
         self.req_to_token: torch.Tensor | None = None
         self.blocks: weakref.WeakSet = weakref.WeakSet()  # host blocks alive (tree-held)
+        # what each selection saw and kept: {rid, rounds (the candidates), share (theirs;
+        # None where the history had too few rounds: all kept), kept (rounds, round 0 too)}
+        self.last_selections: deque[dict] = deque(maxlen=LAST_SELECTIONS)
         self.counts = {"selections": 0, "exact_selections": 0, "rounds_seen": 0,
                        "rounds_kept": 0, "tokens_seen": 0, "tokens_kept": 0,
                        "blocks_loaded": 0, "tokens_loaded": 0, "blocks_stored": 0,
@@ -244,7 +249,7 @@ class RoundRuntime:
             logger.warning("round mode: %s reuses %d cached tokens past its stored rounds "
                            "(%d): their upper layers are not attended", rid,
                            prefix - hist.end, hist.end)
-        st = self.states[rid] = _Req(hist, prefix, row)
+        st = self.states[rid] = _Req(hist, prefix, row, rid=rid)
         return st
 
     def _tick(self) -> None:
@@ -263,6 +268,7 @@ class RoundRuntime:
             rounds = st.history.rounds
             groups = st.history.groups()
             cands = [g for g in groups if g != 0 and not rounds[groups[g][0]].block.dropped]
+            share = None
             if len(cands) < self.min_rounds:
                 ranked = cands  # all of them, the oldest the least important
                 self.counts["exact_selections"] += 1
@@ -284,6 +290,9 @@ class RoundRuntime:
                     continue
                 st.rank.insert(0, g)
             self._set_kept(st)
+            self.last_selections.append({
+                "rid": st.rid, "rounds": cands, "kept": sorted(st.rank),
+                "share": None if share is None else [round(float(x), 5) for x in share]})
             total = st.history.end
             c = self.counts
             c["selections"] += 1
@@ -383,7 +392,7 @@ class RoundRuntime:
             "device_bytes": t.device_bytes(), "token_bytes": t.token_bytes(),
             "host_blocks": len(self.blocks), "host_bytes": host,
             "kept_share": c["tokens_kept"] / c["tokens_seen"] if c["tokens_seen"] else None,
-            **c,
+            **c, "last_selections": list(self.last_selections),
         }
 
 
