@@ -313,13 +313,12 @@ def summarize(workload: str, played: dict, layers: int, watershed: int) -> dict:
             if ref is not None:
                 agree = sum(a["text"] == b["text"] for a, b in
                             zip(ans, ref[0]["answers"], strict=True)) / len(ans)
-            sel = [a["selection"] for a in ans if a.get("selection")]
+            sel = [a for a in ans if a.get("selection")]  # all, or a run that kept none
+            kept = {p: 100 * statistics.mean(a["selection"]["asked_kept"] for a in sel
+                                             if a["position"] == p) for p in POSITIONS} \
+                if len(sel) == len(ans) else None
             out[row] = {"em": em, "greedy_agreement": agree, "n": len(ans),
-                        "kept_share": runs[0]["kept_share"],
-                        "asked_kept": {p: 100 * statistics.mean(
-                            a["selection"]["asked_kept"] for a in ans
-                            if a["position"] == p and a.get("selection"))
-                            for p in POSITIONS} if len(sel) == len(ans) else None}
+                        "kept_share": runs[0]["kept_share"], "asked_kept": kept}
     base = out.get("exact")
     for row, s in out.items():
         if base is None or row == "exact":

@@ -292,7 +292,7 @@ class RoundRuntime:
             self._set_kept(st)
             self.last_selections.append({
                 "rid": st.rid, "rounds": cands, "kept": sorted(st.rank),
-                "share": None if share is None else [round(float(x), 5) for x in share]})
+                "share": None if share is None else [round(x, 5) for x in share.tolist()]})
             total = st.history.end
             c = self.counts
             c["selections"] += 1
