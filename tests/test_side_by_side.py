@@ -17,6 +17,15 @@ def test_every_row_names_a_server_and_the_default_rows_exist():
                                                                              "quant"}
 
 
+def test_every_sglang_row_gets_one_pool_that_holds_the_workload_at_once():
+    c32 = sbs.workload("serving", (1, 8, 32))
+    pools = {name: sbs.sglang_args(sbs.ROWS[name], "/m", c32) for name in ("stock", "sgl_spec")}
+    sizes = {name: int(a[a.index("--max-total-tokens") + 1]) for name, a in pools.items()}
+    assert sizes["stock"] == sizes["sgl_spec"] >= 32 * (1024 + 128)
+    c8 = sbs.workload("serving", (8,))  # never below the launcher's CPU default
+    assert c8.pool_tokens == sbs.CPU_MAX_TOTAL_TOKENS > 8 * c8.ctx
+
+
 def test_bench_serving_runs_through_the_openai_backend_at_the_given_concurrency():
     cmd = sbs.bench_serving_cmd("http://h:1", "/m", "/o.jsonl", "random-ids", 64, 8)
     assert cmd[1:3] == ["-m", "sgl_spec.bench.bench_serving_sse"]

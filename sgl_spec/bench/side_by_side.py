@@ -13,7 +13,8 @@ Rows (``--rows``; one server up at a time, each started ``--rounds`` times, inte
   Q4_K_M), what a llama.cpp user downloads.
 
 llama.cpp rows use this host's cores as threads, its prompt cache (its default) and as
-many slots (``--parallel``) as the workload has requests at once.
+many slots (``--parallel``) as the workload has requests at once. sglang rows get one KV
+pool size (``--max-total-tokens``), enough for the workload's requests at once.
 
 Workloads (``--workload``):
 
@@ -58,6 +59,7 @@ from sgl_spec.bench import cli, configset, timing
 from sgl_spec.bench.provenance import git_label
 from sgl_spec.bench.render import cell
 from sgl_spec.bench.server import SPEC, STOCK, ServerProcess, _die_with_parent, free_port, tail
+from sgl_spec.launch_server import CPU_MAX_TOTAL_TOKENS
 
 WORKLOADS = ("serving", "shared-prefix", "doc-chat", "decode", "agent")
 AGENT_DOCS = ("textwrap", "json", "argparse")  # stdlib modules' docstrings
@@ -93,6 +95,13 @@ class Workload:
     parallel: int
     ctx: int
 
+    @property
+    def pool_tokens(self) -> int:
+        """The KV pool every sglang row gets: stock sizes its own from free memory and
+        sgl_spec's launcher caps a CPU's (``CPU_MAX_TOTAL_TOKENS``), so unlike pools would
+        queue requests on one row that the other runs at once."""
+        return max(CPU_MAX_TOTAL_TOKENS, self.parallel * self.ctx)
+
 
 def workload(name: str, concurrency: tuple[int, ...]) -> Workload:
     if name == "serving":
@@ -120,12 +129,17 @@ def quant_gguf(model: str) -> str:
                      f"{', '.join(s.dir_name for s in model_sources.SOURCES.values())}")
 
 
+def sglang_args(row: Row, model: str, wl: Workload) -> list[str]:
+    """An sglang row's flags: the same pool for every row, then the row's own."""
+    return ["--model-path", model, "--enable-cache-report", "--enable-metrics",
+            "--max-total-tokens", str(wl.pool_tokens), *row.flags]
+
+
 @contextmanager
 def serve(row: Row, model: str, wl: Workload, log_path: str):
     """The row's server, up; yields its base URL."""
     if row.kind == "sglang":
-        args = ["--model-path", model, "--enable-cache-report", "--enable-metrics",
-                *row.flags]
+        args = sglang_args(row, model, wl)
         with ServerProcess(row.module, args, log_path=log_path, timeout_s=600) as server:
             yield server.url
         return
