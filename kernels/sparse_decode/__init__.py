@@ -26,6 +26,9 @@ Triton launch on a GPU, from the device pool or a layer pinned in host memory
 ``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
 keys in the pool with its queries, reading them in place (SpeContext's selection;
 ``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
+``history_mass(q, keys, slots, n_keys, q_pos, n)`` is LoopServe's reselection score, the
+attention mass its observed queries pay each position, read in place from the pool
+(``reference.history_mass_reference``; the torch path is ``sparse.scoring.score_history``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ _IMPLS = {
 IMPLS = tuple(_IMPLS)
 
 __all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "copy_rows", "default_impl",
-           "dense_subsets", "head_logits", "sparse_decode", "subset_positions", "take_rows"]
+           "dense_subsets", "head_logits", "history_mass", "sparse_decode", "subset_positions",
+           "take_rows"]
 
 # Every implementation is ``fn(q, k_buf, v_buf, subsets, dims, *, scale, out)``: inputs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.
@@ -147,6 +151,26 @@ def head_logits(q: torch.Tensor, keys: torch.Tensor, req_to_token: torch.Tensor,
     return mod.head_scores(q.float().contiguous(), keys, req_to_token.int(),
                            rows.long().contiguous(), n_keys.long().contiguous(), n)
 
+
+
+def history_mass(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor,
+                 q_pos: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``[R, Hkv, N]`` fp32: for each row and KV head, the sum over the query rows
+    ``q [R, Hkv, nq, D]`` (scaled; position ``q_pos [R, nq]``, -1 unused) of their softmax
+    over the positions ``<= q_pos`` and ``< n_keys`` (keys at pool slots ``slots [R, >= N]``),
+    0 from ``n_keys`` on; by the C++ kernel, reading the keys in place. None where it
+    cannot take the call (the caller gathers the keys and scores them with torch)."""
+    from .cpu_impl import load_kernel
+
+    if (q.device.type != "cpu" or keys.device.type != "cpu" or keys.stride(-1) != 1
+            or q.shape[-1] not in (32, 64, 128)
+            or keys.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    mod = load_kernel()
+    if mod is None or not hasattr(mod, "history_mass"):
+        return None
+    return mod.history_mass(q.float(), keys, slots.int().contiguous(),
+                            n_keys.long().contiguous(), q_pos.long(), n)
 
 _FNS: dict[str, object] = {}
 

@@ -88,3 +88,27 @@ def head_logits_reference(
         qg = q[i].double().view(hkv, hq // hkv, d)
         out[i, :, :, :m] = torch.einsum("hgd,mhd->hgm", qg, k).float()
     return out
+
+
+def history_mass_reference(
+    q: torch.Tensor,  # [R, Hkv, nq, D] query rows by KV head (scaled)
+    keys: torch.Tensor,  # [slots, Hkv, D] one layer's key pool
+    slots: torch.Tensor,  # [R, >= n] int32 pool slot of each row's positions
+    n_keys: torch.Tensor,  # [R] int64 positions per row
+    q_pos: torch.Tensor,  # [R, nq] int64 position of each query row; -1: unused
+    n: int,  # N >= max(n_keys)
+) -> torch.Tensor:  # [R, Hkv, N] fp32
+    """LoopServe's attention mass (Eq. 7): per row and KV head, the sum over the used
+    query rows of their softmax over positions ``<= q_pos`` and ``< n_keys``; 0 after."""
+    r, hkv, nq, _ = q.shape
+    out = torch.zeros(r, hkv, n, dtype=torch.float64)
+    for i in range(r):
+        m = int(n_keys[i])
+        k = keys[slots[i, :m].long()].double()  # [m, Hkv, D]
+        for qi in range(nq):
+            p = int(q_pos[i, qi])
+            if p < 0:
+                continue
+            logits = torch.einsum("hd,mhd->hm", q[i, :, qi].double(), k[: p + 1])
+            out[i, :, : p + 1] += torch.softmax(logits, dim=-1)
+    return out.float()

@@ -6,7 +6,8 @@ At decode step ``first_select_step`` (16) and every ``nd`` steps after, each lay
 scores the history by the attention those queries pay it (``score_history``: causal
 softmax per query over the full history, summed over the queries and the query heads
 of each KV head's group; Eq. 7), batched over the rows that reselect, and each KV
-head keeps its top ``budget`` positions outside the sink and the recent window.
+head keeps its top ``budget`` positions outside the sink and the recent window. The keys
+are scored where they are in the pool (``PagedKeys``; the C++ kernel on a CPU).
 ``--spec-lookahead W`` (16 by default; 0 is the paper's score) adds to each position's mass
 the largest mass of the W before it (``scoring.look_ahead``): what follows an attended
 token is kept before the decode reads it (a value after the subject the answer restates;

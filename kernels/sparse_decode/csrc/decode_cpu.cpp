@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "vec16.h"
@@ -227,6 +228,177 @@ void scores(const float* q, const void* keys, int64_t ks0, int64_t ks1, const in
   });
 }
 
+// A buffer of the calling thread that keeps the largest size asked of it: a fresh
+// multi-MB allocation per call is fresh pages, and faulting them in costs more than the
+// arithmetic (sgl_spec.sparse.scoring.Scratch, the torch path's equivalent).
+inline float* kept_buffer(size_t n) {
+  static thread_local std::unique_ptr<float[]> buf;
+  static thread_local size_t cap = 0;
+  if (n > cap) {
+    buf.reset(new float[n]);
+    cap = n;
+  }
+  return buf.get();
+}
+
+constexpr int KB = W == 16 ? 8 : 4;  // keys per register block of the logits
+constexpr int QV = 3;                // query-row vectors per register block
+
+// Logits of KB keys (fp32 rows kf[kk * D ..]) for nv <= QV vectors of W query rows
+// (transposed: qt[dd * nqp + v * W + lane]): e[kk * nqp + v * W + lane] = q . k_kk. The
+// queries' lanes against one broadcast key element: no horizontal sums.
+template <int D, int NV>
+inline void logits_block(const float* qt, int64_t nqp, const float* kf, float* e) {
+  vf acc[KB][NV];
+  for (int kk = 0; kk < KB; ++kk)
+    for (int v = 0; v < NV; ++v) acc[kk][v] = splat(0.f);
+  for (int dd = 0; dd < D; ++dd) {
+    vf qv[NV];
+    for (int v = 0; v < NV; ++v) qv[v] = ld(qt + dd * nqp + v * W);
+    for (int kk = 0; kk < KB; ++kk) {
+      const vf kb = splat(kf[kk * D + dd]);
+      for (int v = 0; v < NV; ++v) acc[kk][v] += qv[v] * kb;
+    }
+  }
+  for (int kk = 0; kk < KB; ++kk)
+    for (int v = 0; v < NV; ++v) st(e + kk * nqp + v * W, acc[kk][v]);
+}
+
+// LoopServe's reselection score (sgl_spec.sparse.scoring.score_history, Eq. 7): for row r
+// and KV head h, with nq query rows (the ring's queries times the heads of h's group) at
+// positions q_pos[r, i] (-1: unused),
+//     out[r, h, j] = sum_i softmax over j' <= q_pos[r, i], j' < n_r of (q_i . k_j') at j,
+// and 0 for j >= n_r; keys read in place through slots[r, j]. qt [R, Hkv, D, nqp] holds
+// the query rows transposed, padded to nqp (a multiple of W) with rows at position -1.
+// Three passes: per (r, h, chunk) the chunk's logits position-major (all query rows of
+// a position in nqp / W vectors), each row's max over the chunk and the sum of its
+// exponentials (kept in place of the logits); per (r, h) each row's chunk maxima merged
+// into a weight per chunk; per (r, h, chunk) each position's weighted sum over the rows.
+template <int D, int KIND>
+void mass(const float* qt, int64_t nqp, const void* keys, int64_t ks0, int64_t ks1,
+          const int32_t* slots, int64_t slot_stride, const int64_t* n_keys, const int64_t* q_pos,
+          int64_t R, int64_t hkv, int64_t N, float* out) {
+  const int64_t nc = (N + CHUNK - 1) / CHUNK, items = R * hkv * nc, nv = nqp / W;
+  float* e = kept_buffer(static_cast<size_t>(items * (CHUNK * nqp + 3 * nqp)));
+  float* cm = e + items * CHUNK * nqp;  // [items, nqp]: each row's max over the chunk
+  float* cl = cm + items * nqp;         // the sum of its exponentials
+  float* cw = cl + items * nqp;         // the chunk's weight in the row's softmax
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> kf(CHUNK * D);
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t c = it % nc, rh = it / nc, h = rh % hkv, r = rh / hkv;
+      const int64_t j0 = c * CHUNK;
+      const int64_t m = std::max<int64_t>(0, std::min(n_keys[r], j0 + CHUNK) - j0);
+      float* eb = e + it * CHUNK * nqp;  // eb[j * nqp + i]: position j0 + j, query row i
+      float* im = cm + it * nqp;
+      float* il = cl + it * nqp;
+      if (m == 0) {
+        for (int64_t i = 0; i < nqp; ++i) im[i] = NEG_INF, il[i] = 0.f;
+        continue;
+      }
+      const int32_t* map = slots + r * slot_stride;
+      const int64_t mp = (m + KB - 1) / KB * KB;
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t off = map[j0 + j] * ks0 + h * ks1;
+        if (j + 4 < m) prefetch_row<D, KIND>(keys, map[j0 + j + 4] * ks0 + h * ks1);
+        for (int u = 0; u < D / W; ++u)
+          st(kf.data() + j * D + u * W, ld_kv<KIND>(keys, off + u * W));
+      }
+      std::fill(kf.begin() + m * D, kf.begin() + mp * D, 0.f);
+      const float* qb = qt + rh * D * nqp;
+      for (int64_t j = 0; j < mp; j += KB)
+        for (int64_t v = 0; v < nv; v += QV) {
+          float* dst = eb + j * nqp + v * W;
+          const float* q = qb + v * W;
+          if (nv - v >= 3) logits_block<D, 3>(q, nqp, kf.data() + j * D, dst);
+          else if (nv - v == 2) logits_block<D, 2>(q, nqp, kf.data() + j * D, dst);
+          else logits_block<D, 1>(q, nqp, kf.data() + j * D, dst);
+        }
+      const int64_t* qp = q_pos + r * nqp;
+      for (int64_t i = 0; i < nqp; ++i)  // a row's positions after its query: -inf
+        for (int64_t j = std::max<int64_t>(0, qp[i] + 1 - j0); j < m; ++j)
+          eb[j * nqp + i] = NEG_INF;
+      for (int64_t v = 0; v < nv; ++v) {
+        vf mx = splat(NEG_INF);
+        for (int64_t j = 0; j < m; ++j) {
+          const vf x = ld(eb + j * nqp + v * W);
+          mx = x > mx ? x : mx;
+        }
+        const vf base = mx == NEG_INF ? splat(0.f) : mx;  // a row that sees none: all 0
+        vf sum = splat(0.f);
+        for (int64_t j = 0; j < m; ++j) {
+          const vf x = exp_nonpos(ld(eb + j * nqp + v * W) - base);
+          st(eb + j * nqp + v * W, x);
+          sum += x;
+        }
+        st(im + v * W, mx);
+        st(il + v * W, sum);
+      }
+    }
+  });
+  for (int64_t ri = 0; ri < R * hkv; ++ri)
+    for (int64_t i = 0; i < nqp; ++i) {
+      float mx = NEG_INF, total = 0.f;
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t x = (ri * nc + c) * nqp + i;
+        mx = cl[x] > 0.f ? std::max(mx, cm[x]) : mx;
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t x = (ri * nc + c) * nqp + i;
+        total += cl[x] > 0.f ? cl[x] * std::exp(cm[x] - mx) : 0.f;
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t x = (ri * nc + c) * nqp + i;
+        cw[x] = cl[x] > 0.f ? std::exp(cm[x] - mx) / total : 0.f;
+      }
+    }
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t c = it % nc, rh = it / nc, r = rh / hkv;
+      const int64_t j0 = c * CHUNK, width = std::min(N, j0 + CHUNK) - j0;
+      const int64_t m = std::max<int64_t>(0, std::min(n_keys[r], j0 + CHUNK) - j0);
+      const float* eb = e + it * CHUNK * nqp;
+      const float* w = cw + it * nqp;
+      float* o = out + rh * N + j0;
+      for (int64_t j = m; j < width; ++j) o[j] = 0.f;
+      for (int64_t t = 0; t < m; t += W) {  // W positions: each a dot of its rows with w
+        vf acc[W];
+        for (int jj = 0; jj < W; ++jj) {
+          vf a = splat(0.f);
+          if (t + jj < m)
+            for (int64_t v = 0; v < nv; ++v) a += ld(eb + (t + jj) * nqp + v * W) * ld(w + v * W);
+          acc[jj] = a;
+        }
+        const vf res = reduce_lanes(acc);
+        for (int jj = 0; jj < W && t + jj < m; ++jj) o[t + jj] = res[jj];
+      }
+    }
+  });
+}
+
+using MassFn = void (*)(const float*, int64_t, const void*, int64_t, int64_t, const int32_t*,
+                        int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                        float*);
+
+template <int KIND>
+MassFn pick_mass_d(int64_t d) {
+  switch (d) {
+    case 32: return mass<32, KIND>;
+    case 64: return mass<64, KIND>;
+    case 128: return mass<128, KIND>;
+  }
+  return nullptr;
+}
+
+MassFn pick_mass(at::ScalarType t, int64_t d) {
+  switch (t) {
+    case at::kFloat: return pick_mass_d<F32>(d);
+    case at::kBFloat16: return pick_mass_d<BF16>(d);
+    case at::kHalf: return pick_mass_d<F16>(d);
+    default: return nullptr;
+  }
+}
+
 using ScoresFn = void (*)(const float*, const void*, int64_t, int64_t, const int32_t*, int64_t,
                           const int64_t*, const int64_t*, int64_t, int64_t, int64_t, float*);
 
@@ -385,6 +557,57 @@ at::Tensor head_scores(at::Tensor q, at::Tensor keys, at::Tensor req_to_token, a
   return out;
 }
 
+// LoopServe's reselection score over each row's history (see `mass` above). q [R, Hkv, nq,
+// D] fp32 (scaled: the ring's queries by KV head); keys [slots, Hkv, D] (fp32, bf16 or
+// fp16, rows contiguous); slots [R, >= N] int32 (contiguous rows); n_keys [R] and q_pos
+// [R, nq] int64 (q_pos < n_keys, -1 unused). Returns [R, Hkv, N] fp32.
+at::Tensor history_mass(at::Tensor q, at::Tensor keys, at::Tensor slots, at::Tensor n_keys,
+                        at::Tensor q_pos, int64_t N) {
+  for (const auto& t : {q, keys, slots, n_keys, q_pos})
+    TORCH_CHECK(t.device().is_cpu(), "history_mass: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat,
+              "history_mass: q must be fp32 [R, Hkv, nq, D]");
+  const int64_t R = q.size(0), hkv = q.size(1), nq = q.size(2), D = q.size(3);
+  TORCH_CHECK(keys.dim() == 3 && keys.stride(2) == 1 && keys.size(1) == hkv && keys.size(2) == D,
+              "history_mass: keys must be [slots, Hkv, D] with contiguous rows, fitting q");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == at::kInt && slots.stride(1) == 1 &&
+                  slots.size(0) == R && slots.size(1) >= N,
+              "history_mass: slots must be int32 [R, >= N] with contiguous rows");
+  TORCH_CHECK(n_keys.scalar_type() == at::kLong && n_keys.is_contiguous() && n_keys.dim() == 1 &&
+                  n_keys.size(0) == R,
+              "history_mass: n_keys must be contiguous int64 [R]");
+  TORCH_CHECK(q_pos.scalar_type() == at::kLong && q_pos.dim() == 2 && q_pos.size(0) == R &&
+                  q_pos.size(1) == nq,
+              "history_mass: q_pos must be int64 [R, nq]");
+  // The query rows transposed ([R, Hkv, D, nqp]) and padded to whole vectors with unused
+  // rows (position -1).
+  const int64_t nqp = (nq + W - 1) / W * W;
+  auto pos = at::full({R, nqp}, -1, q_pos.options());
+  pos.narrow(1, 0, nq).copy_(q_pos);
+  const int64_t* qp = pos.data_ptr<int64_t>();
+  const int64_t* nk = n_keys.data_ptr<int64_t>();
+  const int32_t* sl = slots.data_ptr<int32_t>();
+  const int64_t n_slots = keys.size(0);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(nk[r] >= 0 && nk[r] <= N, "history_mass: need 0 <= n_keys <= N");
+    for (int64_t i = 0; i < nq; ++i)
+      TORCH_CHECK(qp[r * nqp + i] < nk[r], "history_mass: a query's position must be < n_keys");
+    for (int64_t j = 0; j < nk[r]; ++j)
+      TORCH_CHECK(sl[r * slots.stride(0) + j] >= 0 && sl[r * slots.stride(0) + j] < n_slots,
+                  "history_mass: slot out of range");
+  }
+  MassFn fn = pick_mass(keys.scalar_type(), D);
+  TORCH_CHECK(fn != nullptr, "history_mass: head_dim in {32, 64, 128} and fp32/bf16/fp16 keys, "
+              "got head_dim ", D, ", ", keys.scalar_type());
+  auto qt = at::zeros({R, hkv, D, nqp}, q.options());
+  qt.narrow(3, 0, nq).copy_(q.transpose(2, 3));
+  auto out = at::empty({R, hkv, N}, q.options());
+  if (N > 0)
+    fn(qt.data_ptr<float>(), nqp, keys.data_ptr(), keys.stride(0), keys.stride(1), sl,
+       slots.stride(0), nk, qp, R, hkv, N, out.data_ptr<float>());
+  return out;
+}
+
 // SpeContext's elastic loads of one layer (sgl_spec.sparse.elastic): for i < M,
 // stage_k.row(dst[i]) = pool_k.row(src[i]) and the same for V, a row being the last dim
 // (flat rows: slot * Hkv + h). One call replaces four torch ops (an index_select and an
@@ -429,6 +652,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "decode attention over KV subsets of a paged pool",
         py::call_guard<py::gil_scoped_release>());
   m.def("head_scores", &head_scores, "the retrieval head's logits over paged keys",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("history_mass", &history_mass, "LoopServe's attention mass over paged keys",
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows", &copy_rows, "elastic loads: stage rows <- pool rows, K and V",
         py::call_guard<py::gil_scoped_release>());
