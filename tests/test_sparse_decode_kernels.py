@@ -33,6 +33,7 @@ from sgl_spec.kernels.sparse_decode import (  # noqa: E402
     dense_subsets,
     head_logits,
     history_mass,
+    select_top,
     sparse_decode,
 )
 from sgl_spec.kernels.sparse_decode import cpu_impl  # noqa: E402
@@ -44,6 +45,7 @@ from sgl_spec.kernels.sparse_decode.reference import (  # noqa: E402
     copy_rows_reference,
     head_logits_reference,
     history_mass_reference,
+    select_top_reference,
     sparse_decode_reference,
 )
 
@@ -414,6 +416,24 @@ def test_history_mass_kernel_matches_reference(dtype, d):
     assert (got[0, :, 1300:] == 0).all() and (got[1, :, 257:] == 0).all()
     # every used query pays a total mass of 1 per KV head
     torch.testing.assert_close(got.sum(-1), torch.tensor([[5.0] * hkv, [4.0] * hkv]))
+
+
+@pytest.mark.parametrize("width", [0, 1, 16])
+def test_select_top_kernel_matches_reference(width):
+    """LoopServe's selection (look-ahead, then the top B) equals the reference's, with
+    plateaus of equal scores (ties to the earlier position) and a large sink."""
+    g = torch.Generator().manual_seed(width)
+    scores = torch.rand(2, 3, 300, generator=g)
+    scores[0, 0, 50:120] = 0.25  # a plateau across the threshold
+    scores[1, :, :40] = 5.0  # a heavy sink passes nothing on
+    scores[1, 2] = torch.randint(0, 4, (300,), generator=g).float() / 8  # many ties
+    lo, hi = torch.tensor([4, 40]), torch.tensor([280, 300])
+    got = select_top(scores, lo, hi, width, 64)
+    assert got is not None and got.shape == (2, 3, 64)
+    assert torch.equal(got, select_top_reference(scores, lo, hi, width, 64))
+    mod = cpu_impl.load_kernel()
+    with pytest.raises(RuntimeError, match="candidates"):
+        mod.select_top(scores, lo, torch.tensor([60, 300]), width, 64)
 
 
 def test_history_mass_kernel_rejects_bad_calls():

@@ -243,6 +243,22 @@ def test_score_history_of_keys_in_the_pool_equals_gathered(monkeypatch, kernel, 
         score_history(q, keys, d**-0.5, q_pos, lens)
 
 
+@pytest.mark.parametrize("width", [0, 16])
+def test_select_positions_equals_look_ahead_then_select_topk(width):
+    """The served selection (one C++ call where it builds) equals torch's look_ahead and
+    select_topk with ties to the earlier position, plateaus included; too few candidates
+    is the same error either way."""
+    from sgl_spec.sparse.scoring import look_ahead, select_positions
+
+    g = torch.Generator().manual_seed(4 + width)
+    scores = torch.randint(0, 6, (2, 2, 200), generator=g).float() / 5
+    lo, hi = torch.tensor([4, 10]), torch.tensor([180, 200])
+    want = select_topk(look_ahead(scores, width, lo), 32, lo, hi, first_of_ties=True)
+    assert torch.equal(select_positions(scores, width, 32, lo, hi, first_of_ties=True), want)
+    with pytest.raises(ValueError, match="candidates"):
+        select_positions(scores, width, 32, lo, torch.tensor([30, 200]))
+
+
 def test_score_history_bf16_keys_close_to_fp32():
     # 16-bit keys (a 16-bit matmul on a GPU, fp32 on a CPU): scores stay within 2% of fp32,
     # and the top positions are the same.

@@ -112,3 +112,25 @@ def history_mass_reference(
             logits = torch.einsum("hd,mhd->hm", q[i, :, qi].double(), k[: p + 1])
             out[i, :, : p + 1] += torch.softmax(logits, dim=-1)
     return out.float()
+
+
+def select_top_reference(
+    scores: torch.Tensor,  # [R, Hkv, N] fp32, >= 0
+    lo: torch.Tensor,  # [R] int64 first candidate (the sink's end)
+    hi: torch.Tensor,  # [R] int64 one past the last candidate
+    width: int,
+    budget: int,
+) -> torch.Tensor:  # [R, Hkv, budget] int64 ascending
+    """Per row and KV head: y_j = s_j + max(s_i for lo <= i <= j, i >= j - width; 0 if
+    none), the ``budget`` largest y over ``[lo, hi)``, ties to the earlier position."""
+    r, hkv, _ = scores.shape
+    out = torch.empty(r, hkv, budget, dtype=torch.int64)
+    for i in range(r):
+        a, b = int(lo[i]), int(hi[i])
+        for h in range(hkv):
+            s = scores[i, h].tolist()
+            y = [s[j] + max([0.0] + s[max(a, j - width): j + 1] if width else [0.0])
+                 for j in range(a, b)]
+            order = sorted(range(len(y)), key=lambda t: (-y[t], t))[:budget]
+            out[i, h] = torch.tensor(sorted(a + t for t in order))
+    return out

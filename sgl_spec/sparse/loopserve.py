@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .policy import Kind, ReselectBatch, RequestState, RowStep, SelectionPolicy
-from .scoring import Scratch, look_ahead, score_history, select_topk
+from .scoring import Scratch, score_history, select_positions
 from .slots import BufferSpec
 
 
@@ -98,7 +98,6 @@ class LoopServePolicy(SelectionPolicy):
         ring = self.slots.rows("ring", layer, batch.slots)  # [R, nd, Hq, D]
         scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens, self.scratch)  # [R, Hkv, N]
-        scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
-        sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
-                          first_of_ties=self.cfg.lookahead > 0)
+        sel = select_positions(scores, self.cfg.lookahead, self.cfg.budget, batch.lo, batch.hi,
+                               first_of_ties=self.cfg.lookahead > 0)
         self.slots.write("sel", layer, batch.slots, sel)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from sgl_spec.kernels.sparse_decode import history_mass
+from sgl_spec.kernels.sparse_decode import history_mass, select_top
 
 POOL_KINDS = ("avg", "max", "none")
 
@@ -230,3 +230,22 @@ def select_topk(
     tied = masked == thr
     keep = above | (tied & (tied.cumsum(dim=-1) <= budget - above.sum(dim=-1, keepdim=True)))
     return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)  # row-major: ascending
+
+
+def select_positions(
+    scores: torch.Tensor,  # [R, Hkv, N] fp32, a history's attention mass
+    width: int,  # look_ahead's width (0: the scores as they are)
+    budget: int,
+    lo: torch.Tensor,  # [R] int64: the sink's end, the first candidate
+    hi: torch.Tensor,  # [R] int64: one past the last candidate (the recent window's start)
+    first_of_ties: bool = False,
+) -> torch.Tensor:  # [R, Hkv, budget] int64 positions, ascending
+    """``select_topk(look_ahead(scores, width, lo), ...)``, in one C++ call on a CPU where
+    the kernel builds (equal scores always go to the earlier position there)."""
+    if bool(((hi - lo) < budget).any()):
+        raise ValueError(f"select_topk: every row needs >= {budget} candidates, got "
+                         f"{(hi - lo).tolist()}")
+    sel = select_top(scores, lo, hi, width, budget)
+    if sel is not None:
+        return sel
+    return select_topk(look_ahead(scores, width, lo), budget, lo, hi, first_of_ties)

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -376,6 +377,39 @@ void mass(const float* qt, int64_t nqp, const void* keys, int64_t ks0, int64_t k
   });
 }
 
+// LoopServe's selection from a history's mass (sgl_spec.sparse.scoring.look_ahead, then
+// select_topk with first_of_ties): per row r and KV head h, each candidate j in
+// [lo_r, hi_r) scores y_j = s_j + max(s'_{j - width} .. s'_j), s' being s with the sink
+// (positions < lo_r) and the positions before 0 at 0 (width 0: y = s); the budget
+// highest are kept, equal scores to the earlier position, listed ascending.
+void select_top_rows(const float* s, int64_t N, const int64_t* lo, const int64_t* hi,
+                     int64_t R, int64_t hkv, int64_t width, int64_t budget, int64_t* out) {
+  at::parallel_for(0, R * hkv, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> y, tmp;
+    for (int64_t rh = a; rh < z; ++rh) {
+      const int64_t r = rh / hkv, l = lo[r], n = hi[r] - l;
+      const float* x = s + rh * N;
+      y.resize(n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t j = l + t;
+        float mx = 0.f;
+        if (width > 0)
+          for (int64_t i = std::max<int64_t>(l, j - width); i <= j; ++i) mx = std::max(mx, x[i]);
+        y[t] = x[j] + mx;
+      }
+      tmp.assign(y.begin(), y.end());
+      std::nth_element(tmp.begin(), tmp.begin() + (budget - 1), tmp.end(), std::greater<float>());
+      const float thr = tmp[budget - 1];
+      int64_t above = 0;
+      for (int64_t t = 0; t < n; ++t) above += y[t] > thr;
+      int64_t ties = budget - above, k = 0;
+      int64_t* o = out + rh * budget;
+      for (int64_t t = 0; t < n && k < budget; ++t)
+        if (y[t] > thr || (y[t] == thr && ties-- > 0)) o[k++] = l + t;
+    }
+  });
+}
+
 using MassFn = void (*)(const float*, int64_t, const void*, int64_t, int64_t, const int32_t*,
                         int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
                         float*);
@@ -608,6 +642,33 @@ at::Tensor history_mass(at::Tensor q, at::Tensor keys, at::Tensor slots, at::Ten
   return out;
 }
 
+// LoopServe's selection (see `select_top_rows` above). scores [R, Hkv, N] fp32 (contiguous);
+// lo, hi [R] int64 with 0 <= lo, hi <= N and hi - lo >= budget >= 1; width >= 0. Returns
+// [R, Hkv, budget] int64, ascending.
+at::Tensor select_top(at::Tensor scores, at::Tensor lo, at::Tensor hi, int64_t width,
+                      int64_t budget) {
+  for (const auto& t : {scores, lo, hi})
+    TORCH_CHECK(t.device().is_cpu(), "select_top: CPU tensors only");
+  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous() && scores.scalar_type() == at::kFloat,
+              "select_top: scores must be a contiguous fp32 [R, Hkv, N]");
+  const int64_t R = scores.size(0), hkv = scores.size(1), N = scores.size(2);
+  for (const auto& t : {lo, hi})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 &&
+                    t.size(0) == R,
+                "select_top: lo and hi must be contiguous int64 [R]");
+  TORCH_CHECK(width >= 0 && budget >= 1, "select_top: need width >= 0 and budget >= 1");
+  const int64_t* l = lo.data_ptr<int64_t>();
+  const int64_t* h = hi.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(l[r] >= 0 && h[r] <= N && h[r] - l[r] >= budget,
+                "select_top: every row needs 0 <= lo, hi <= N and >= ", budget,
+                " candidates, got [", l[r], ", ", h[r], ")");
+  auto out = at::empty({R, hkv, budget}, lo.options());
+  select_top_rows(scores.data_ptr<float>(), N, l, h, R, hkv, width, budget,
+                  out.data_ptr<int64_t>());
+  return out;
+}
+
 // SpeContext's elastic loads of one layer (sgl_spec.sparse.elastic): for i < M,
 // stage_k.row(dst[i]) = pool_k.row(src[i]) and the same for V, a row being the last dim
 // (flat rows: slot * Hkv + h). One call replaces four torch ops (an index_select and an
@@ -654,6 +715,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("head_scores", &head_scores, "the retrieval head's logits over paged keys",
         py::call_guard<py::gil_scoped_release>());
   m.def("history_mass", &history_mass, "LoopServe's attention mass over paged keys",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("select_top", &select_top, "LoopServe's top positions of a history's mass",
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows", &copy_rows, "elastic loads: stage rows <- pool rows, K and V",
         py::call_guard<py::gil_scoped_release>());
