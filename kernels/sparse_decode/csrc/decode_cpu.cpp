@@ -284,7 +284,7 @@ void mass(const float* qt, int64_t nqp, const void* keys, int64_t ks0, int64_t k
   float* cm = e + items * CHUNK * nqp;  // [items, nqp]: each row's max over the chunk
   float* cl = cm + items * nqp;         // the sum of its exponentials
   float* cw = cl + items * nqp;         // the chunk's weight in the row's softmax
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items, items, [&](int64_t i0, int64_t i1) {
     std::vector<float> kf(CHUNK * D);
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t c = it % nc, rh = it / nc, h = rh % hkv, r = rh / hkv;
@@ -353,7 +353,7 @@ void mass(const float* qt, int64_t nqp, const void* keys, int64_t ks0, int64_t k
         cw[x] = cl[x] > 0.f ? std::exp(cm[x] - mx) / total : 0.f;
       }
     }
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items, items, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t c = it % nc, rh = it / nc, r = rh / hkv;
       const int64_t j0 = c * CHUNK, width = std::min(N, j0 + CHUNK) - j0;
@@ -384,7 +384,7 @@ void mass(const float* qt, int64_t nqp, const void* keys, int64_t ks0, int64_t k
 // highest are kept, equal scores to the earlier position, listed ascending.
 void select_top_rows(const float* s, int64_t N, const int64_t* lo, const int64_t* hi,
                      int64_t R, int64_t hkv, int64_t width, int64_t budget, int64_t* out) {
-  at::parallel_for(0, R * hkv, 1, [&](int64_t a, int64_t z) {
+  at::parallel_for(0, R * hkv, R * hkv, [&](int64_t a, int64_t z) {
     std::vector<float> y, tmp;
     for (int64_t rh = a; rh < z; ++rh) {
       const int64_t r = rh / hkv, l = lo[r], n = hi[r] - l;
