@@ -32,8 +32,6 @@ from sgl_spec.kernels.sparse_decode import (  # noqa: E402
     default_impl,
     dense_subsets,
     head_logits,
-    history_mass,
-    select_top,
     sparse_decode,
 )
 from sgl_spec.kernels.sparse_decode import cpu_impl  # noqa: E402
@@ -44,8 +42,6 @@ from sgl_spec.kernels.sparse_decode.flashinfer_impl import (  # noqa: E402
 from sgl_spec.kernels.sparse_decode.reference import (  # noqa: E402
     copy_rows_reference,
     head_logits_reference,
-    history_mass_reference,
-    select_top_reference,
     sparse_decode_reference,
 )
 
@@ -390,62 +386,6 @@ def test_head_logits_kernel_matches_reference(dtype, d, group):
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got)) and bool((got[~fin] == float("-inf")).all())
     assert torch.allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("d", [32, 64, 128])
-def test_history_mass_kernel_matches_reference(dtype, d):
-    """LoopServe's attention mass read in place from the pool equals a float64 gather:
-    ragged rows (zeros after n_keys, chunk edges crossed), unused queries (-1), causal
-    limits inside the last chunk and before it, scattered slots whose unused entries are
-    NaN, and fp32/bf16/fp16 keys."""
-    g = torch.Generator().manual_seed(d)
-    hkv, pool, n = 3, 3000, 1320
-    keys = torch.randn(pool, hkv, d, generator=g).to(dtype)
-    used = torch.randperm(pool, generator=g)[:2 * n].view(2, n)
-    keys[torch.ones(pool, dtype=torch.bool).index_fill_(0, used.flatten(), False)] = float("nan")
-    slots = used.int()
-    n_keys = torch.tensor([1300, 257])
-    q_pos = torch.tensor([[1299, 1290, -1, 700, 255, 0], [256, 256, 200, -1, -1, 1]])
-    q = torch.randn(2, hkv, 6, d, generator=g) * 0.3
-    got = history_mass(q, keys, slots, n_keys, q_pos, n)
-    assert got is not None and got.shape == (2, hkv, n) and not torch.isnan(got).any()
-    ref = history_mass_reference(q, keys, slots, n_keys, q_pos, n)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
-    assert (got[0, :, 1300:] == 0).all() and (got[1, :, 257:] == 0).all()
-    # every used query pays a total mass of 1 per KV head
-    torch.testing.assert_close(got.sum(-1), torch.tensor([[5.0] * hkv, [4.0] * hkv]))
-
-
-@pytest.mark.parametrize("width", [0, 1, 16])
-def test_select_top_kernel_matches_reference(width):
-    """LoopServe's selection (look-ahead, then the top B) equals the reference's, with
-    plateaus of equal scores (ties to the earlier position) and a large sink."""
-    g = torch.Generator().manual_seed(width)
-    scores = torch.rand(2, 3, 300, generator=g)
-    scores[0, 0, 50:120] = 0.25  # a plateau across the threshold
-    scores[1, :, :40] = 5.0  # a heavy sink passes nothing on
-    scores[1, 2] = torch.randint(0, 4, (300,), generator=g).float() / 8  # many ties
-    lo, hi = torch.tensor([4, 40]), torch.tensor([280, 300])
-    got = select_top(scores, lo, hi, width, 64)
-    assert got is not None and got.shape == (2, 3, 64)
-    assert torch.equal(got, select_top_reference(scores, lo, hi, width, 64))
-    mod = cpu_impl.load_kernel()
-    with pytest.raises(RuntimeError, match="candidates"):
-        mod.select_top(scores, lo, torch.tensor([60, 300]), width, 64)
-
-
-def test_history_mass_kernel_rejects_bad_calls():
-    mod = cpu_impl.load_kernel()
-    q, keys = torch.zeros(1, 1, 2, 64), torch.zeros(8, 1, 64)
-    slots, n_keys = torch.arange(8, dtype=torch.int32)[None], torch.tensor([6])
-    with pytest.raises(RuntimeError, match="position must be < n_keys"):
-        mod.history_mass(q, keys, slots, n_keys, torch.tensor([[6, 0]]), 8)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        mod.history_mass(q, keys, slots * 2, n_keys, torch.tensor([[5, 0]]), 8)
-    with pytest.raises(RuntimeError, match="n_keys <= N"):
-        mod.history_mass(q, keys, slots, n_keys, torch.tensor([[5, 0]]), 4)
 
 
 def test_head_logits_kernel_declines_or_rejects():

@@ -207,58 +207,6 @@ def test_score_history_reuses_one_scratch_across_shapes():
     assert scratch.nbytes == 3 * 2 * 90 * 8 * 4 + 3 * 2 * 2 * 3 * 90 * 4  # keys + probs
 
 
-@pytest.mark.parametrize("run", [False, True], ids=["scattered", "one-run"])
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "gathered"])
-def test_score_history_of_keys_in_the_pool_equals_gathered(monkeypatch, kernel, run):
-    """LoopServe's reselection scores keys where they live (``PagedKeys``): by the C++
-    kernel in place, or gathered where it cannot (head dim 16 is never built; 64 is),
-    the scores equal those of the keys gathered by hand, for ragged rows, unused ring
-    entries and a single row on one run of slots."""
-    from sgl_spec.kernels.sparse_decode.cpu_impl import load_kernel
-
-    from sgl_spec.sparse.scoring import PagedKeys
-
-    if kernel and load_kernel() is None:
-        pytest.skip("the C++ CPU kernels are off or cannot be built here")
-    g = torch.Generator().manual_seed(9)
-    d = 64 if kernel else 16
-    pool = torch.randn(400, 2, d, generator=g).bfloat16()
-    if run:
-        slots, lens = torch.arange(100, 260, dtype=torch.int32)[None], torch.tensor([160])
-        q_pos = torch.tensor([[150, 159, -1]])
-        keys = PagedKeys(pool, slots, slice(100, 260))
-    else:
-        perm = torch.randperm(400, generator=g)[:2 * 150].view(2, 150).int()
-        lens = torch.tensor([150, 97])
-        slots = torch.where(torch.arange(150)[None] < lens[:, None], perm, perm[:, :1])
-        slots[1, 97:] = slots[1, 96]
-        q_pos = torch.tensor([[140, 149, -1], [90, 96, 95]])
-        keys = PagedKeys(pool, slots)
-    q = torch.randn(slots.shape[0], 3, 6, d, generator=g)
-    got = score_history(q, keys, d**-0.5, q_pos, lens, Scratch())
-    want = score_history(q, pool[slots.long()], d**-0.5, q_pos, lens)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    if kernel:  # and the kernel did take the call: nothing was gathered
-        monkeypatch.setattr(PagedKeys, "gather", lambda *a, **k: pytest.fail("gathered"))
-        score_history(q, keys, d**-0.5, q_pos, lens)
-
-
-@pytest.mark.parametrize("width", [0, 16])
-def test_select_positions_equals_look_ahead_then_select_topk(width):
-    """The served selection (one C++ call where it builds) equals torch's look_ahead and
-    select_topk with ties to the earlier position, plateaus included; too few candidates
-    is the same error either way."""
-    from sgl_spec.sparse.scoring import look_ahead, select_positions
-
-    g = torch.Generator().manual_seed(4 + width)
-    scores = torch.randint(0, 6, (2, 2, 200), generator=g).float() / 5
-    lo, hi = torch.tensor([4, 10]), torch.tensor([180, 200])
-    want = select_topk(look_ahead(scores, width, lo), 32, lo, hi, first_of_ties=True)
-    assert torch.equal(select_positions(scores, width, 32, lo, hi, first_of_ties=True), want)
-    with pytest.raises(ValueError, match="candidates"):
-        select_positions(scores, width, 32, lo, torch.tensor([30, 200]))
-
-
 def test_score_history_bf16_keys_close_to_fp32():
     # 16-bit keys (a 16-bit matmul on a GPU, fp32 on a CPU): scores stay within 2% of fp32,
     # and the top positions are the same.

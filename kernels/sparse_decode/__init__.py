@@ -26,11 +26,6 @@ Triton launch on a GPU, from the device pool or a layer pinned in host memory
 ``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
 keys in the pool with its queries, reading them in place (SpeContext's selection;
 ``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
-``history_mass(q, keys, slots, n_keys, q_pos, n)`` is LoopServe's reselection score, the
-attention mass its observed queries pay each position, read in place from the pool
-(``reference.history_mass_reference``; the torch path is ``sparse.scoring.score_history``);
-``select_top(scores, lo, hi, width, budget)`` its selection from that mass (look-ahead,
-then the top B, ties to the earlier position; ``reference.select_top_reference``).
 """
 
 from __future__ import annotations
@@ -64,8 +59,7 @@ _IMPLS = {
 IMPLS = tuple(_IMPLS)
 
 __all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "copy_rows", "default_impl",
-           "dense_subsets", "head_logits", "history_mass", "select_top", "sparse_decode",
-           "subset_positions", "take_rows"]
+           "dense_subsets", "head_logits", "sparse_decode", "subset_positions", "take_rows"]
 
 # Every implementation is ``fn(q, k_buf, v_buf, subsets, dims, *, scale, out)``: inputs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.
@@ -153,44 +147,6 @@ def head_logits(q: torch.Tensor, keys: torch.Tensor, req_to_token: torch.Tensor,
     return mod.head_scores(q.float().contiguous(), keys, req_to_token.int(),
                            rows.long().contiguous(), n_keys.long().contiguous(), n)
 
-
-
-def history_mass(q: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, n_keys: torch.Tensor,
-                 q_pos: torch.Tensor, n: int) -> torch.Tensor | None:
-    """``[R, Hkv, N]`` fp32: for each row and KV head, the sum over the query rows
-    ``q [R, Hkv, nq, D]`` (scaled; position ``q_pos [R, nq]``, -1 unused) of their softmax
-    over the positions ``<= q_pos`` and ``< n_keys`` (keys at pool slots ``slots [R, >= N]``),
-    0 from ``n_keys`` on; by the C++ kernel, reading the keys in place. None where it
-    cannot take the call (the caller gathers the keys and scores them with torch)."""
-    from .cpu_impl import load_kernel
-
-    if (q.device.type != "cpu" or keys.device.type != "cpu" or keys.stride(-1) != 1
-            or q.shape[-1] not in (32, 64, 128)
-            or keys.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
-        return None
-    mod = load_kernel()
-    if mod is None or not hasattr(mod, "history_mass"):
-        return None
-    return mod.history_mass(q.float(), keys, slots.int().contiguous(),
-                            n_keys.long().contiguous(), q_pos.long(), n)
-
-
-def select_top(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, width: int,
-               budget: int) -> torch.Tensor | None:
-    """``[R, Hkv, budget]`` int64 ascending: per row and KV head, the ``budget`` positions
-    of ``[lo, hi)`` with the highest ``scores [R, Hkv, N]`` plus the largest score among
-    the ``width`` positions before and the position itself (the sink, ``< lo``, passing
-    nothing on), equal scores to the earlier position; by the C++ kernel. None where it
-    cannot take the call (the caller runs ``look_ahead`` and ``select_topk`` in torch)."""
-    from .cpu_impl import load_kernel
-
-    if scores.device.type != "cpu":
-        return None
-    mod = load_kernel()
-    if mod is None or not hasattr(mod, "select_top"):
-        return None
-    return mod.select_top(scores.float().contiguous(), lo.long().contiguous(),
-                          hi.long().contiguous(), width, budget)
 
 _FNS: dict[str, object] = {}
 

@@ -51,7 +51,7 @@ from sgl_spec.sparse.policy import (
 )
 
 from sgl_spec.sparse.elastic import ElasticPass
-from sgl_spec.sparse.scoring import PagedKeys
+from sgl_spec.sparse.scoring import Scratch
 
 from .batch import BatchView
 from .prefetch import get_prefetcher
@@ -114,8 +114,8 @@ class DecodePlan(NamedTuple):
     subsets: DecodeSubsets  # all rows; sel_idx is filled per layer when `sparse` is set
     sparse: Group | None = None  # rows attending a selection read per layer (policy width > 0)
     observe: tuple[Group, torch.Tensor] | None = None  # rows whose queries are kept, ring idx
-    # + the rows' key slots: [R, N] int32, and the pool's slice for one row on one run of them
-    reselect: tuple[Group, ReselectBatch, tuple[torch.Tensor, slice | None]] | None = None
+    # + the rows' key slots: [R, N], or a slice of the pool for one row on contiguous slots
+    reselect: tuple[Group, ReselectBatch, torch.Tensor | slice] | None = None
     staged: Staged | None = None
     dense: DecodeSubsets | None = None  # every row's whole history: --spec-dense-layers
 
@@ -162,6 +162,7 @@ class Decoder:
         # drop: the radix cache keeps none from there on); None: not tracked
         self._sparse_from: dict[str, int] | None = {} if track_sparse_kv else None
         self._checked: DecodePlan | None = None  # the plan whose kernel inputs were checked
+        self._gathered = Scratch()  # the reselecting rows' keys, gathered (reused per layer)
 
     # ------------------------------------------------------------ lifetime
 
@@ -359,8 +360,16 @@ class Decoder:
             group, ring = plan.observe
             self.policy.observe(layer, q.index_select(0, group.idx), group.slots, ring)
         if plan.reselect is not None:
-            group, rb, (key_slots, run) = plan.reselect
-            self.policy.reselect(layer, PagedKeys(k_buf, key_slots, run), rb)
+            group, rb, key_slots = plan.reselect
+            if isinstance(key_slots, slice):  # one row on a contiguous run of slots
+                keys = k_buf[key_slots][None]  # a view: nothing gathered
+            else:
+                n, hkv, d = key_slots.shape[1], k_buf.shape[1], k_buf.shape[2]
+                keys = self._gathered.take("keys", (key_slots.numel(), hkv, d), k_buf.dtype,
+                                           k_buf.device)
+                torch.index_select(k_buf, 0, key_slots.view(-1), out=keys)
+                keys = keys.view(-1, n, hkv, d)
+            self.policy.reselect(layer, keys, rb)
         if plan.sparse is not None and sub.sel_idx.shape[2]:
             sel = self.policy.selection(layer, plan.sparse.slots)
             sub.sel_idx.index_copy_(0, plan.sparse.idx, sel)
@@ -420,18 +429,18 @@ def _ints(xs: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64, device=device)
 
 
-def _key_slots(batch: BatchView, rows: list[int]) -> tuple[torch.Tensor, slice | None]:
-    """[R, N] int32 pool slots of the rows' histories, padded with their last slot; and
-    for one row whose slots are one contiguous run (a fresh prompt's usually are), that
-    slice of the pool, which a scoring that gathers reads in place instead."""
+def _key_slots(batch: BatchView, rows: list[int]) -> torch.Tensor | slice:
+    """[R, N] int64 pool slots of the rows' histories, padded with their last slot; for
+    one row whose slots are one contiguous run (a fresh prompt's usually are), the
+    slice of the pool instead, so scoring reads the keys in place."""
     dev = batch.rows.device
     seq = _ints([batch.seq_lens[b] for b in rows], dev)
     pool_rows = _ints([batch.pool_rows[b] for b in rows], dev)
-    pos = torch.arange(int(seq.max()), device=dev)[None, :].minimum(seq[:, None] - 1)
-    slots = batch.req_to_token[pool_rows[:, None], pos].int()
     if len(rows) == 1:
-        first = int(slots[0, 0])
-        if int(slots[0, -1]) - first == slots.shape[1] - 1 and bool(
-                (slots[0, 1:] - slots[0, :-1] == 1).all()):
-            return slots, slice(first, first + slots.shape[1])
-    return slots, None
+        slots = batch.req_to_token[pool_rows[0], : seq[0]]
+        first = int(slots[0])
+        if int(slots[-1]) - first == len(slots) - 1 and bool(
+                (slots[1:] - slots[:-1] == 1).all()):
+            return slice(first, first + len(slots))
+    pos = torch.arange(int(seq.max()), device=dev)[None, :].minimum(seq[:, None] - 1)
+    return batch.req_to_token[pool_rows[:, None], pos].long()

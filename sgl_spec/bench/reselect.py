@@ -8,10 +8,8 @@ batched pass (``score_history``, into the buffers a policy reuses), looks ahead
 position, as ``LoopServePolicy.reselect`` does; the baseline is
 n_d dense decode steps of one query, the serving path's (``sparse_decode`` over dense
 subsets: the C++ kernel reading the pool in place where it builds). The reselection is
-timed three times: by torch on contiguous K/V; by torch after gathering the keys from a
-scattered KV pool through the request's slot list; and on that pool as served
-(``PagedKeys`` and ``select_positions``: the C++ kernels score the keys in place and
-select where they build, else the gather and torch). Reports medians and the ratio
+timed twice: on contiguous K/V, and including the gather from a scattered KV pool
+through the request's slot list (what the serving path pays). Reports medians and the ratio
 reselect / (n_d x dense step); below 1 means reselection is cheaper. Times are
 ``timing.median_s`` of ``--repeats`` calls after ``WARMUP`` untimed ones. Not a test;
 CPU by default.
@@ -27,14 +25,7 @@ from sgl_spec.bench import cli
 from sgl_spec.bench.timing import median_s
 from sgl_spec.kernels.sparse_decode import dense_subsets, sparse_decode
 from sgl_spec.config import DecodeConfig
-from sgl_spec.sparse.scoring import (
-    PagedKeys,
-    Scratch,
-    look_ahead,
-    score_history,
-    select_positions,
-    select_topk,
-)
+from sgl_spec.sparse.scoring import Scratch, look_ahead, score_history, select_topk
 
 WARMUP = 3  # untimed calls before each median
 
@@ -59,16 +50,10 @@ def run(
                           num_kv_heads)
 
     scratch = Scratch()
-    k_len = torch.tensor([seq_len])
-    paged = PagedKeys(k_buf, slots.int()[None])
 
-    def reselect(keys):  # torch
-        mass = look_ahead(score_history(ring, keys, scale, q_pos, k_len, scratch), lookahead, lo)
+    def reselect(keys):
+        mass = look_ahead(score_history(ring, keys, scale, q_pos, scratch=scratch), lookahead, lo)
         return select_topk(mass, budget, lo, hi, first_of_ties=lookahead > 0)
-
-    def served():  # LoopServePolicy.reselect's calls
-        mass = score_history(ring, paged, scale, q_pos, k_len, scratch)
-        return select_positions(mass, lookahead, budget, lo, hi, first_of_ties=lookahead > 0)
 
     def dense_step():
         return sparse_decode(q1, k_buf, v_buf, dense, scale=scale)
@@ -79,7 +64,6 @@ def run(
             ("K/V laid out", lambda: reselect(k), dense_step),
             ("gather from pool", lambda: reselect(k_buf.index_select(0, slots)[None]),
              dense_step),
-            ("pool, as served", served, dense_step),
         ):
             t_sel = median_s(sel_fn, repeats, WARMUP)
             t_dense = median_s(dense_fn, repeats, WARMUP)

@@ -25,11 +25,9 @@ _EXPORTS = {
     "available_policies": "policy",
     "get_policy": "policy",
     "register_policy": "policy",
-    "PagedKeys": "scoring",
     "Scratch": "scoring",
     "pool_scores": "scoring",
     "score_history": "scoring",
-    "select_positions": "scoring",
     "select_topk": "scoring",
     "SlotTable": "slots",
 }

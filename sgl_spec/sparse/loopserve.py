@@ -6,8 +6,7 @@ At decode step ``first_select_step`` (16) and every ``nd`` steps after, each lay
 scores the history by the attention those queries pay it (``score_history``: causal
 softmax per query over the full history, summed over the queries and the query heads
 of each KV head's group; Eq. 7), batched over the rows that reselect, and each KV
-head keeps its top ``budget`` positions outside the sink and the recent window. The keys
-are scored where they are in the pool (``PagedKeys``; the C++ kernel on a CPU).
+head keeps its top ``budget`` positions outside the sink and the recent window.
 ``--spec-lookahead W`` (16 by default; 0 is the paper's score) adds to each position's mass
 the largest mass of the W before it (``scoring.look_ahead``): what follows an attended
 token is kept before the decode reads it (a value after the subject the answer restates;
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .policy import Kind, ReselectBatch, RequestState, RowStep, SelectionPolicy
-from .scoring import Scratch, score_history, select_positions
+from .scoring import Scratch, look_ahead, score_history, select_topk
 from .slots import BufferSpec
 
 
@@ -98,6 +97,7 @@ class LoopServePolicy(SelectionPolicy):
         ring = self.slots.rows("ring", layer, batch.slots)  # [R, nd, Hq, D]
         scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens, self.scratch)  # [R, Hkv, N]
-        sel = select_positions(scores, self.cfg.lookahead, self.cfg.budget, batch.lo, batch.hi,
-                               first_of_ties=self.cfg.lookahead > 0)
+        scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
+        sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
+                          first_of_ties=self.cfg.lookahead > 0)
         self.slots.write("sel", layer, batch.slots, sel)

@@ -43,8 +43,6 @@ from .slots import BufferSpec, SlotTable
 if TYPE_CHECKING:
     from sgl_spec.config import DecodeConfig
 
-    from .scoring import PagedKeys
-
 
 @dataclass(frozen=True)
 class AttnShape:
@@ -191,8 +189,7 @@ class SelectionPolicy(ABC):
     def reselect(
         self,
         layer: int,
-        keys: PagedKeys | torch.Tensor,  # this layer's keys of the reselecting rows: in the
-        # pool, or gathered [R, N, Hkv, D] (padded)
+        keys: torch.Tensor,  # [R, N, Hkv, D] this layer's keys of the reselecting rows, padded
         batch: ReselectBatch,
     ) -> None:
         """Score the rows' histories and store their new selections (LoopServe)."""

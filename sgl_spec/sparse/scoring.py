@@ -2,20 +2,15 @@
 
 Shared by SnapKV (prompt-window queries, once) and LoopServe (ring of the last n_d
 decoded queries, every n_d steps). Scoring is one batched matmul per layer over all
-rows, queries and heads at once: each layer's keys are read once. Keys in the KV pool
-(``PagedKeys``: LoopServe's reselection while decoding) are scored in place by the C++
-kernel where it builds (``kernels.sparse_decode.history_mass``), else gathered first.
+rows, queries and heads at once: each layer's keys are read once.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-
-from sgl_spec.kernels.sparse_decode import history_mass, select_top
 
 POOL_KINDS = ("avg", "max", "none")
 
@@ -45,32 +40,10 @@ class Scratch:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
 
-class PagedKeys(NamedTuple):
-    """One layer's keys of R rows' histories where they live: the pool and each row's
-    slots. ``contiguous``: for one row whose slots are one run, that run of the pool (the
-    torch path then reads the keys in place too)."""
-
-    pool: torch.Tensor  # [num_slots, Hkv, D] one layer's K pool
-    slots: torch.Tensor  # [R, N] int32 slots of the rows' positions, padded with the last
-    contiguous: slice | None = None
-
-    def gather(self, scratch: Scratch | None = None) -> torch.Tensor:  # [R, N, Hkv, D]
-        if self.contiguous is not None:
-            return self.pool[self.contiguous][None]  # a view: nothing gathered
-        r, n = self.slots.shape
-        hkv, d = self.pool.shape[1:]
-        shape = (r * n, hkv, d)
-        out = (scratch.take("gathered", shape, self.pool.dtype, self.pool.device)
-               if scratch is not None else torch.empty(shape, dtype=self.pool.dtype,
-                                                       device=self.pool.device))
-        torch.index_select(self.pool, 0, self.slots.reshape(-1).long(), out=out)
-        return out.view(r, n, hkv, d)
-
-
 @torch.no_grad()
 def score_history(
     q: torch.Tensor,  # [R, n, Hq, D] observation queries (any float dtype)
-    k: torch.Tensor | PagedKeys,  # [R, N, Hkv, D] one layer's keys of each row's history
+    k: torch.Tensor,  # [R, N, Hkv, D] one layer's keys of each row's history (padded)
     scale: float,
     q_pos: torch.Tensor | None = None,  # [R, n] int64 positions of the queries; -1: unused
     k_len: torch.Tensor | None = None,  # [R] int64 keys per row (padding after); None: N
@@ -83,15 +56,7 @@ def score_history(
     over the query heads of each KV head's group (sum, not max: the total mass the
     group pays a position). Eq. 7 of LoopServe (Sec 5.3) per KV head. A query with
     position -1 (an unfilled ring entry) contributes nothing; padded keys score 0.
-    ``PagedKeys`` on a CPU go to the C++ kernel, which reads them in place (its queries'
-    positions and ``k_len`` required); elsewhere they are gathered first.
     """
-    if isinstance(k, PagedKeys):
-        if q_pos is not None and k_len is not None:
-            mass = _paged_mass(q, k, scale, q_pos, k_len)
-            if mass is not None:
-                return mass
-        k = k.gather(scratch)
     rows, n, hq, d = q.shape
     _, big_n, hkv, dk = k.shape
     if dk != d or hq % hkv or k.shape[0] != rows:
@@ -148,22 +113,6 @@ def score_history(
     if unused is not None:  # unfilled ring entries: their rows add nothing
         w.view(rows, hkv, n * g).masked_fill_(unused.repeat_interleave(g, dim=1)[:, None], 0.0)
     return torch.bmm(w.transpose(1, 2), x).view(rows, hkv, big_n)
-
-
-def _paged_mass(q: torch.Tensor, k: PagedKeys, scale: float, q_pos: torch.Tensor,
-                k_len: torch.Tensor) -> torch.Tensor | None:
-    """``score_history`` by the C++ kernel over keys in the pool; None where it cannot."""
-    rows, n, hq, d = q.shape
-    hkv = k.pool.shape[1]
-    if k.pool.shape[2] != d or hq % hkv or k.slots.shape[0] != rows:
-        raise ValueError(f"q {tuple(q.shape)} does not fit the pool {tuple(k.pool.shape)} "
-                         f"and slots {tuple(k.slots.shape)}")
-    g = hq // hkv
-    # Query rows by KV head: [R, Hkv, n * G], row (query i, head g of the group).
-    qg = (q.float() * scale).view(rows, n, hkv, g, d).permute(0, 2, 1, 3, 4)
-    pos = q_pos.to(torch.int64).repeat_interleave(g, dim=1)  # [R, n * G]
-    return history_mass(qg.reshape(rows, hkv, n * g, d), k.pool, k.slots, k_len, pos,
-                        k.slots.shape[1])
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
@@ -230,22 +179,3 @@ def select_topk(
     tied = masked == thr
     keep = above | (tied & (tied.cumsum(dim=-1) <= budget - above.sum(dim=-1, keepdim=True)))
     return keep.nonzero()[:, -1].view(*scores.shape[:-1], budget)  # row-major: ascending
-
-
-def select_positions(
-    scores: torch.Tensor,  # [R, Hkv, N] fp32, a history's attention mass
-    width: int,  # look_ahead's width (0: the scores as they are)
-    budget: int,
-    lo: torch.Tensor,  # [R] int64: the sink's end, the first candidate
-    hi: torch.Tensor,  # [R] int64: one past the last candidate (the recent window's start)
-    first_of_ties: bool = False,
-) -> torch.Tensor:  # [R, Hkv, budget] int64 positions, ascending
-    """``select_topk(look_ahead(scores, width, lo), ...)``, in one C++ call on a CPU where
-    the kernel builds (equal scores always go to the earlier position there)."""
-    if bool(((hi - lo) < budget).any()):
-        raise ValueError(f"select_topk: every row needs >= {budget} candidates, got "
-                         f"{(hi - lo).tolist()}")
-    sel = select_top(scores, lo, hi, width, budget)
-    if sel is not None:
-        return sel
-    return select_topk(look_ahead(scores, width, lo), budget, lo, hi, first_of_ties)
