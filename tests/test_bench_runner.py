@@ -200,6 +200,21 @@ def test_specontext_histograms_give_means_per_step():
     assert tables.elastic_table(configs)[2] == "| specontext B=1024 | chat | 40.0 | 1.000 | 2.00 |"
 
 
+def test_pass_seconds_parse_and_delta():
+    text = ('sgl_spec:decode_pass_seconds_sum{path="exact"} 1.6\n'
+            'sgl_spec:decode_pass_seconds_count{path="exact"} 20.0\n'
+            'sgl_spec:decode_pass_seconds_sum{path="sparse"} 0.0\n'
+            'sgl_spec:decode_pass_seconds_count{path="sparse"} 0.0\n'
+            'sgl_spec:decode_pass_seconds_bucket{le="0.005",path="exact"} 0.0\n')
+    after = sparse_counters.passes(text)
+    assert after == {"exact": [1.6, 20.0], "sparse": [0.0, 0.0]}
+    d = sparse_counters.pass_delta(after, {"exact": [0.8, 10.0]})
+    assert d == {"exact": [pytest.approx(0.8), 10.0]}  # paths without a pass left out
+    assert sparse_counters.pass_ms(d) == {"exact": pytest.approx(80.0)}
+    assert sparse_counters.passes("sglang:num_running_reqs 0.0\n") == {}  # stock
+    assert sparse_counters.pass_ms(None) == {}
+
+
 def test_sparse_counters_read_without_metrics():
     assert sparse_counters.read("http://127.0.0.1:9") is None  # nothing listens: '-'
 

@@ -66,19 +66,26 @@ def test_server_starts_pool_their_repeats():
                    "aggregate_late_tok_s": r} for r in rates]
         return {"name": "x", "log": "l", "peak_rss_bytes": 1, "points": {"4096x1": {
             "history": 4096, "batch": 1, "tok_s_median": sorted(rates)[1],
-            "decode_steps": {"sparse": 0.0, "exact": 3.0}, "rounds": rounds}}}
+            "decode_steps": {"sparse": 0.0, "exact": 3.0},
+            "passes": {"exact": [0.24, 3.0]}, "rounds": rounds}}}
 
     pooled = ds.pool_starts([run([1.0, 2.0, 3.0]), run([5.0, 6.0, 7.0])])
     p = pooled["points"]["4096x1"]
     assert p["tok_s_median"] == 4.0 and p["start_tok_s_medians"] == [2.0, 6.0]
     assert p["decode_steps"] == {"sparse": 0.0, "exact": 6.0} and len(p["rounds"]) == 6
+    assert p["passes"] == {"exact": [pytest.approx(0.48), 6.0]}
+    assert p["pass_ms"] == {"exact": pytest.approx(80.0)}
     ref = ds.pool_starts([run([1.0, 1.0, 1.0]), run([2.0, 2.0, 2.0])])
     configs = [{**ref, "name": ds.EXACT}, {**pooled, "name": ds.PREFILL}]
     res = {**_res(), "configs": configs, "ratios": ds.ratios(configs), "late_ratios": None,
            "start_ratios": {ds.EXACT: sweep.start_ratios(configs, ds.EXACT,
                                                          "start_tok_s_medians")}}
     # per start: 2.0 / 1.0 and 6.0 / 2.0 -> min / median / max
-    assert "| 4096 | 1 | 2.00 / 2.50 / 3.00 |" in ds.markdown(res)
+    md = ds.markdown(res)
+    assert "| 4096 | 1 | 2.00 / 2.50 / 3.00 |" in md
+    assert "## Decode pass time by path" in md
+    assert f"| 4096 | 1 | {ds.PREFILL} | 80.0 (6) | - | - | 80.0 |" in md
+    assert "Decode pass time" not in ds.markdown(_res())  # no server reported passes
     with pytest.raises(SystemExit):
         ds.main(["--out", "/tmp/x", "--rounds", "0"])
 

@@ -109,6 +109,45 @@ def test_decoder_matches_policy_and_reference_kernel():
     assert dec.live_states == 0 and len(dec.policy.slots) == 0
 
 
+class _PassLog:
+    def __init__(self):
+        self.seen: list[tuple[str, float]] = []
+
+    def observe_pass(self, path: str, seconds: float) -> None:
+        self.seen.append((path, seconds))
+
+
+@pytest.mark.parametrize("mode", ["exact", "loopserve"])
+def test_decode_passes_are_timed_by_path(mode):
+    """Each decode pass is reported once the next decode pass plans, under what its
+    attention did (loopserve with CFG: dense to step 3, a selection at steps 4 and 8,
+    sparse between); a pass followed by an extend, or by any other pass, is not."""
+    log = _PassLog()
+    dec = Decoder(SHAPE, None if mode == "exact" else get_policy(mode, CFG, SHAPE),
+                  pass_metrics=log)
+    pool = FakePool()
+    pool.append(0, 100)
+    for _ in range(10):
+        pool.append(0)
+        dec.plan(view(pool, ["r"], [0]))
+    paths = [p for p, _ in log.seen]
+    want = (["exact"] * 9 if mode == "exact" else
+            ["exact"] * 4 + ["reselect"] + ["sparse"] * 3 + ["reselect"])
+    assert paths == want and all(sec >= 0 for _, sec in log.seen)
+    pool.append(1, 5)
+    dec.plan_extend(view(pool, ["s"], [1], mode="extend", extend_lens=(5,)))
+    pool.append(0)
+    dec.plan(view(pool, ["r"], [0]))
+    assert len(log.seen) == 9  # the pass before the extend: not timed
+    pool.append(0)
+    dec.plan(view(pool, ["r"], [0]))
+    dec.pass_ended()  # e.g. an idle pass
+    pool.append(0)
+    dec.plan(view(pool, ["r"], [0]))
+    assert len(log.seen) == 10
+    assert Decoder(SHAPE).pass_metrics is None  # off unless given
+
+
 def test_a_contiguous_history_is_scored_in_place():
     """One reselecting row whose slots are one run: scoring reads the pool's slice (no
     gather) and selects what a twin policy fed the gathered keys selects."""
@@ -372,7 +411,8 @@ def sparse_metrics(url: str) -> dict[str, float]:
     text = requests.get(url + "/metrics", timeout=30).text
     names = ("sgl_spec:decode_steps_total", "sgl_spec:sparse_reselections_total",
              "sgl_spec:sparse_selected_tokens_sum", "sgl_spec:sparse_selected_tokens_count",
-             "sgl_spec:sparse_live_states")
+             "sgl_spec:sparse_live_states", "sgl_spec:decode_pass_seconds_sum",
+             "sgl_spec:decode_pass_seconds_count")
     out = {}
     for line in text.splitlines():
         if line.startswith(names):
@@ -447,6 +487,12 @@ class TestSmallBudget:
         mean = delta(after, before, "sgl_spec:sparse_selected_tokens_sum") / n
         assert n == delta(after, before, SPARSE) and 4 + 64 + 65 <= mean <= 4 + 64 + 80
         assert after["sgl_spec:sparse_live_states"] == 0  # released when it finished
+        # Pass times by path: each decode pass but the last (no decode pass follows it).
+        passes = {p: delta(after, before, f'sgl_spec:decode_pass_seconds_count{{path="{p}"}}')
+                  for p in ("exact", "sparse", "reselect")}
+        assert passes["exact"] == 16 and passes["reselect"] == 2
+        assert 28 <= passes["sparse"] <= 30
+        assert delta(after, before, 'sgl_spec:decode_pass_seconds_sum{path="sparse"}') > 0
 
     def test_a_follow_up_turn_reuses_only_what_dense_passes_wrote(self, small_budget_server):
         """--spec-sparse-kv-cache drop: the radix cache keeps the prompt and the answer's

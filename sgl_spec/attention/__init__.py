@@ -48,8 +48,13 @@ def build_core(cfg: SpecConfig, shape: AttnShape, device: torch.device | str,
             from .metrics import SpeContextMetrics
 
             policy.metrics = SpeContextMetrics()
+    pass_metrics = None
+    if enable_metrics:
+        from .metrics import PassMetrics
+
+        pass_metrics = PassMetrics()
     decoder = Decoder(shape, policy, impl=impl, metrics=metrics, prefetch=cfg.decode.prefetch,
-                      pool_layers=pool_layers,
+                      pool_layers=pool_layers, pass_metrics=pass_metrics,
                       track_sparse_kv=policy is not None and cfg.decode.drops_sparse_kv)
     if policy is not None:
         hub.add_release_listener(decoder.release)

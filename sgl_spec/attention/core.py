@@ -75,6 +75,7 @@ class AttentionCore:
             return AttentionPlan(decode=self.decoder.plan(batch), observe=observe,
                                  rounds=rounds)
         if batch.mode != "extend":
+            self.decoder.pass_ended()
             return AttentionPlan()
         turns = self.prefill.plan(batch) if self.prefill is not None else {}
         scored = {r.index: r for r in self.decoder.plan_extend(batch)}

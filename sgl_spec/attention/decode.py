@@ -27,6 +27,7 @@ Tensors passed in are read, never kept, except ``out``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -74,6 +75,12 @@ class Metrics(Protocol):
     def observe_step(self, exact: int, selected: Sequence[float]) -> None: ...
     def observe_reselections(self, n: int) -> None: ...
     def set_live_states(self, n: int) -> None: ...
+
+
+class PassClock(Protocol):
+    """Where the decoder reports each decode pass's wall time (``metrics.PassMetrics``)."""
+
+    def observe_pass(self, path: str, seconds: float) -> None: ...
 
 
 @dataclass
@@ -132,6 +139,7 @@ class Decoder:
         prefetch: str = "auto",  # elastic loads (policies that stage KV): prefetch.PREFETCHERS
         pool_layers: PoolLayers | None = None,  # the KV pool by layer, for prefetchers
         track_sparse_kv: bool = False,  # keep sparse_kv_from (--spec-sparse-kv-cache drop)
+        pass_metrics: PassClock | None = None,  # each decode pass's wall time, by path
     ):
         if stale_after < 1:
             raise ValueError(f"stale_after must be >= 1, got {stale_after}")
@@ -141,6 +149,8 @@ class Decoder:
         self.policy = policy
         self.impl = impl
         self.metrics = metrics
+        self.pass_metrics = pass_metrics
+        self._last_pass: tuple[float, str] | None = None  # (plan time, path) of a decode pass
         self.stale_after = stale_after
         self.stats = DecodeStats()
         self.pool_layers = pool_layers
@@ -236,6 +246,21 @@ class Decoder:
 
     def plan(self, batch: BatchView) -> DecodePlan:
         """Step every request of a decode pass and pack the pass for the layers."""
+        if self.pass_metrics is None:
+            return self._plan(batch)
+        now = time.perf_counter()
+        plan = self._plan(batch)
+        if self._last_pass is not None:  # the previous decode pass ends where this starts
+            self.pass_metrics.observe_pass(self._last_pass[1], now - self._last_pass[0])
+        self._last_pass = (now, pass_path(plan))
+        return plan
+
+    def pass_ended(self) -> None:
+        """A pass that is not a decode pass ran (an extend): the last decode pass's
+        time is not known, so it is not reported."""
+        self._last_pass = None
+
+    def _plan(self, batch: BatchView) -> DecodePlan:
         self.next_pass()
         dense = dense_subsets(batch.req_to_token, batch.rows, batch.seq_lens_t,
                               self.shape.num_kv_heads)
@@ -406,6 +431,7 @@ class Decoder:
         Rows of a mixed batch that are decoding (one token, state already stepping)
         keep their state and attend exactly in this pass.
         """
+        self.pass_ended()
         self.next_pass()
         if self.policy is None:
             return []
@@ -423,6 +449,13 @@ class Decoder:
                 self.start(rid, n)
                 out.append(ScoreRow(rid, n, i, q_end - min(e, self.policy.cfg.window), q_end))
         return out
+
+
+def pass_path(plan: DecodePlan) -> str:
+    """What a decode pass's attention does (``metrics.PASS_PATHS``)."""
+    if plan.reselect is not None:
+        return "reselect"
+    return "sparse" if plan.sparse is not None or plan.staged is not None else "exact"
 
 
 def _ints(xs: Sequence[int], device: torch.device) -> torch.Tensor:

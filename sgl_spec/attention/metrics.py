@@ -69,6 +69,34 @@ class SparseMetrics:
         self.live_states.set(n)
 
 
+# Seconds of one decode pass: 5 ms doubling 10 times (to ~5 s).
+_PASS_BUCKETS = tuple(5e-3 * 2**i for i in range(11))
+PASS_PATHS = ("exact", "sparse", "reselect")
+
+
+class PassMetrics:
+    """Wall time of decode passes by what their attention did, in any ``--spec-mode``:
+    "exact" (every row read its whole history), "sparse" (some row read a subset),
+    "reselect" (some row also renewed its selection). A pass is timed from its plan to
+    the next decode pass's plan (the scheduler's whole iteration: layers, logits,
+    sampling, output); a pass followed by an extend or by idle time is not timed."""
+
+    def __init__(self):
+        from prometheus_client import Histogram
+
+        self.pass_seconds = Histogram(
+            name="sgl_spec:decode_pass_seconds",
+            documentation="Wall time of a decode pass, plan to the next decode pass's plan, "
+            "by attention path: 'exact', 'sparse' (some row attended a KV subset), "
+            "'reselect' (some row renewed its selection). Mean: _sum / _count.",
+            labelnames=("path",), buckets=_PASS_BUCKETS)
+        for path in PASS_PATHS:
+            self.pass_seconds.labels(path=path)
+
+    def observe_pass(self, path: str, seconds: float) -> None:
+        self.pass_seconds.labels(path=path).observe(seconds)
+
+
 class PrefillMetrics:
     def __init__(self):
         from prometheus_client import Counter, Histogram

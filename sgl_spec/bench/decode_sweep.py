@@ -152,10 +152,13 @@ def generate(url: str, ids: list[int], n: int) -> dict:
             "late_tok_s": late}
 
 
-def decode_steps(url: str) -> dict[str, float]:
-    """``sgl_spec:decode_steps_total`` by path (empty when the server has none)."""
-    counts = sparse_counters.read(url)
-    return {} if counts is None else {"sparse": counts.sparse, "exact": counts.exact}
+def decode_steps(url: str) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """``sgl_spec:decode_steps_total`` by path, and ``sgl_spec:decode_pass_seconds``'s
+    [seconds, passes] by path (both empty when the server has none)."""
+    text = sparse_counters.fetch(url)
+    counts = None if text is None else sparse_counters.parse(text)
+    steps = {} if counts is None else {"sparse": counts.sparse, "exact": counts.exact}
+    return steps, {} if text is None else sparse_counters.passes(text)
 
 
 def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
@@ -163,7 +166,7 @@ def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
     with ThreadPoolExecutor(len(prompts)) as pool:
         for p in prompts:  # one at a time: the prefills must not share a pass's timing
             generate(url, p, 1)
-        before = decode_steps(url)
+        before, passes_before = decode_steps(url)
         rounds = []
         for _ in range(plan.repeats):
             reqs = list(pool.map(lambda p: generate(url, p, plan.new_tokens), prompts))
@@ -172,12 +175,13 @@ def measure(url: str, prompts: list[list[int]], plan: SweepPlan) -> dict:
             rounds.append({"requests": reqs, "aggregate_tok_s":
                            None if None in rates else sum(rates),
                            "aggregate_late_tok_s": None if None in late else sum(late)})
-        after = decode_steps(url)
+        after, passes_after = decode_steps(url)
     steps = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after} or None
-    return summarize(rounds, steps)
+    return summarize(rounds, steps, sparse_counters.pass_delta(passes_after, passes_before))
 
 
-def summarize(rounds: list[dict], steps: dict[str, float] | None) -> dict:
+def summarize(rounds: list[dict], steps: dict[str, float] | None,
+              passes: dict[str, list[float]] | None = None) -> dict:
     """A point's medians over its timed rounds (of one server, or pooled)."""
     from sgl_spec.bench import provenance
 
@@ -186,7 +190,9 @@ def summarize(rounds: list[dict], steps: dict[str, float] | None) -> dict:
             "ttft_median_s": timing.median(q["ttft_s"] for r in rounds
                                            for q in r["requests"]),
             "decode_steps": steps, "sparse": None if steps is None else
-            steps.get("sparse", 0.0) > 0, "load_average": provenance.load_average(),
+            steps.get("sparse", 0.0) > 0, "passes": passes or None,
+            "pass_ms": sparse_counters.pass_ms(passes) or None,
+            "load_average": provenance.load_average(),
             "rounds": rounds}
 
 
@@ -195,8 +201,12 @@ def pool_starts(runs: list[dict]) -> dict:
     rounds of every start, their medians, and each start's own median."""
     def point(per: list[dict]) -> dict:
         steps = sparse_counters.add([q["decode_steps"] for q in per])
+        passes: dict[str, list[float]] = {}
+        for q in per:
+            for path, (sec, n) in (q.get("passes") or {}).items():
+                passes[path] = [a + b for a, b in zip(passes.get(path, [0.0, 0.0]), (sec, n))]
         return {"history": per[0]["history"], "batch": per[0]["batch"],
-                **summarize([r for q in per for r in q["rounds"]], steps),
+                **summarize([r for q in per for r in q["rounds"]], steps, passes),
                 "start_tok_s_medians": [q["tok_s_median"] for q in per]}
 
     return sweep.pool(runs, point)
@@ -291,6 +301,7 @@ def markdown(res: dict) -> str:
                   "where a long generation spends its time; medians as above.", "",
                   *_point_table(configs, [*_field(configs, "late_tok_s_median"),
                                           *((n, r, _ratio) for n, r in late.items())]), ""]
+    lines += pass_section(configs)
     spreads = [(f"`{base}`", f"each row's tok/s over `{base}`'s in the same round of "
                 "server starts", per_row)
                for base, per_row in (res.get("start_ratios") or {}).items()]
@@ -305,6 +316,35 @@ def markdown(res: dict) -> str:
                       *_point_table(configs, [(n, r, spread_cell) for n, r in per_row.items()]),
                       ""]
     return "\n".join(lines)
+
+
+def pass_section(configs: list[dict]) -> list[str]:
+    """Mean wall time of a decode pass by path, from each server's
+    ``sgl_spec:decode_pass_seconds`` (timed rounds, starts pooled); empty without it."""
+    from sgl_spec.attention.metrics import PASS_PATHS
+
+    rows = []
+    for key, p0 in configs[0]["points"].items():
+        for c in configs:
+            passes = c["points"].get(key, {}).get("passes") or {}
+            if not passes:
+                continue
+            cells = [f"{1e3 * sec / n:.1f} ({n:.0f})" if n else "-"
+                     for sec, n in (passes.get(path, [0.0, 0]) for path in PASS_PATHS)]
+            sec = sum(v[0] for v in passes.values())
+            n = sum(v[1] for v in passes.values())
+            rows.append([str(p0["history"]), str(p0["batch"]), c["name"], *cells,
+                         f"{1e3 * sec / n:.1f}"])
+    if not rows:
+        return []
+    return ["## Decode pass time by path", "",
+            ("Mean ms per decode pass (passes) from each server's "
+             "`sgl_spec:decode_pass_seconds`: plan to the next decode pass's plan, the "
+             "scheduler's whole iteration. exact: every row read its whole history; sparse: "
+             "a KV subset; reselect: a subset, and the selection renewed. Timed rounds, "
+             "starts pooled."), "",
+            *table(["history", "batch", "row", *(f"{p} ms" for p in PASS_PATHS),
+                    "all passes ms"], rows), ""]
 
 
 def plot(res: dict, path: str) -> str:

@@ -93,15 +93,47 @@ def parse(text: str) -> SparseCounters | None:
                           **{f: scalar(text, name) for f, name in _HISTOGRAM_PARTS.items()})
 
 
-def read(url: str) -> SparseCounters | None:
-    """The counters of the server at ``url``; None without them or without /metrics."""
+def fetch(url: str) -> str | None:
+    """The Prometheus text of the server at ``url``; None without /metrics."""
     try:
         r = requests.get(url.rstrip("/") + "/metrics", timeout=30)
         r.raise_for_status()
     except requests.RequestException as exc:
         logger.warning("no sparse-decode counters from %s/metrics: %s", url, exc)
         return None
-    return parse(r.text)
+    return r.text
+
+
+def read(url: str) -> SparseCounters | None:
+    """The counters of the server at ``url``; None without them or without /metrics."""
+    text = fetch(url)
+    return None if text is None else parse(text)
+
+
+_PASS = "sgl_spec:decode_pass_seconds"
+
+
+def passes(text: str) -> dict[str, list[float]]:
+    """``sgl_spec:decode_pass_seconds`` by path: [seconds, passes] (sum and count, any
+    ``--spec-mode`` with metrics on); empty when absent (stock sglang)."""
+    sums, counts = by_path(text, _PASS + "_sum"), by_path(text, _PASS + "_count")
+    return {p: [sums.get(p, 0.0), n] for p, n in counts.items()}
+
+
+def pass_delta(after: dict[str, list[float]], before: dict[str, list[float]]
+               ) -> dict[str, list[float]]:
+    """Per path, [seconds, passes] between two ``passes`` reads (paths with a pass)."""
+    out = {}
+    for p, (s, n) in after.items():
+        s0, n0 = before.get(p, [0.0, 0.0])
+        if n > n0:
+            out[p] = [s - s0, n - n0]
+    return out
+
+
+def pass_ms(d: dict[str, list[float]] | None) -> dict[str, float]:
+    """Mean milliseconds per pass, by path, of a ``pass_delta``."""
+    return {p: 1e3 * s / n for p, (s, n) in (d or {}).items() if n}
 
 
 def minus(after: SparseCounters | None, before: SparseCounters | None
