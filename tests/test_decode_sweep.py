@@ -84,7 +84,12 @@ def test_server_starts_pool_their_repeats():
     md = ds.markdown(res)
     assert "| 4096 | 1 | 2.00 / 2.50 / 3.00 |" in md
     assert "## Decode pass time by path" in md
-    assert f"| 4096 | 1 | {ds.PREFILL} | 80.0 (6) | - | - | 80.0 |" in md
+    assert f"| 4096 | 1 | {ds.PREFILL} | 80.0 (6) | - | - | 80.0 | - | - |" in md
+    sparse = {**pooled["points"]["4096x1"], "passes": {"exact": [0.8, 10.0],
+                                                       "sparse": [0.6, 10.0]}}
+    lines = ds.pass_section([{"name": ds.LOOPSERVE, "points": {"4096x1": sparse}}])
+    assert f"| 4096 | 1 | {ds.LOOPSERVE} | 80.0 (10) | 60.0 (10) | - | 70.0 | 0.750 | - |" \
+        in lines
     assert "Decode pass time" not in ds.markdown(_res())  # no server reported passes
     with pytest.raises(SystemExit):
         ds.main(["--out", "/tmp/x", "--rounds", "0"])

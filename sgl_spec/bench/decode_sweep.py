@@ -333,8 +333,12 @@ def pass_section(configs: list[dict]) -> list[str]:
                      for sec, n in (passes.get(path, [0.0, 0]) for path in PASS_PATHS)]
             sec = sum(v[0] for v in passes.values())
             n = sum(v[1] for v in passes.values())
+            ms = sparse_counters.pass_ms(passes)
+            # The other paths against the same server's exact passes: no drift between starts.
+            rel = [_ratio(ms[p] / ms["exact"]) if p in ms and "exact" in ms else "-"
+                   for p in PASS_PATHS[1:]]
             rows.append([str(p0["history"]), str(p0["batch"]), c["name"], *cells,
-                         f"{1e3 * sec / n:.1f}"])
+                         f"{1e3 * sec / n:.1f}", *rel])
     if not rows:
         return []
     return ["## Decode pass time by path", "",
@@ -342,9 +346,9 @@ def pass_section(configs: list[dict]) -> list[str]:
              "`sgl_spec:decode_pass_seconds`: plan to the next decode pass's plan, the "
              "scheduler's whole iteration. exact: every row read its whole history; sparse: "
              "a KV subset; reselect: a subset, and the selection renewed. Timed rounds, "
-             "starts pooled."), "",
+             "starts pooled. The last columns divide by the same server's exact pass."), "",
             *table(["history", "batch", "row", *(f"{p} ms" for p in PASS_PATHS),
-                    "all passes ms"], rows), ""]
+                    "all passes ms", *(f"{p} / exact" for p in PASS_PATHS[1:])], rows), ""]
 
 
 def plot(res: dict, path: str) -> str:
