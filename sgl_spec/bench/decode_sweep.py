@@ -23,7 +23,10 @@ Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only
 row's own flags differ; loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters
 (``sparse_counters``, read before and after each point) say how many request-steps
 attended a sparse subset. LoopServe decodes exactly before its first selection
-(step 16) and below ``--spec-min-context``.
+(step 16) and below ``--spec-min-context``. Every sgl_spec row also reports
+``sgl_spec:decode_pass_seconds`` by path ("Decode pass time by path": the mean pass, and
+sparse and reselect passes over the same server's exact pass, free of the drift between
+server starts).
 """
 
 from __future__ import annotations
