@@ -12,6 +12,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# The flags that decide how fast a CPU multiplies matrices (what a benchmark's machine
+# record names: hosts of one model name can differ in them, and prefill speed with them).
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8")
 
 
 @lru_cache(maxsize=1)
@@ -38,6 +42,12 @@ def model_name() -> str:
     except OSError:
         pass
     return ""
+
+
+def matmul_flags() -> list[str]:
+    """Which of ``MATMUL_FLAGS`` this CPU has, in that order."""
+    f = flags()
+    return [x for x in MATMUL_FLAGS if x in f]
 
 
 def native_bf16() -> bool:

@@ -65,11 +65,34 @@ def test_reselect_bench_ratio_is_reselect_over_nd_dense_steps(tmp_path):
     for r in res["per_layer"].values():
         assert r["nd_dense_steps_ms"] == pytest.approx(4 * r["dense_step_ms"])
         assert r["ratio"] == pytest.approx(r["reselect_ms"] / r["nd_dense_steps_ms"])
+    p = res["parts"]
+    calls = ("gather_ms", "score_history_ms", "look_ahead_ms", "select_topk_ms")
+    assert p["sum_ms"] == pytest.approx(sum(p[k] for k in calls))
+    assert all(p[k] > 0 for k in (*calls, "logits_matmul_fp32_ms", "logits_matmul_bf16_ms",
+                                  "layers_batched_look_ahead_select_ms"))
     out = tmp_path / "r.json"
     reselect.main(["--seq-len", "256", "--nd", "4", "--budget", "32", "--num-q-heads", "4",
                    "--num-kv-heads", "2", "--head-dim", "16", "--repeats", "1",
-                   "--threads", "0", "--json", str(out)])
-    assert json.loads(out.read_text())["config"]["budget"] == 32
+                   "--threads", "0", "--layers", "3", "--json", str(out)])
+    got = json.loads(out.read_text())
+    assert got["config"]["budget"] == 32 and got["config"]["layers"] == 3
+    with pytest.raises(SystemExit):
+        reselect.main(["--layers", "0"])
+
+
+def test_batched_selection_over_layers_equals_one_call_per_layer():
+    """The parts' batched row selects L layers' scores in one call: the same top-B as one
+    call per layer (the look-ahead and the stable ties are row-wise)."""
+    from sgl_spec.sparse.scoring import look_ahead, select_topk
+
+    gen = torch.Generator().manual_seed(0)
+    mass = torch.rand(3, 2, 200, generator=gen).round(decimals=1)  # ties
+    lo, hi = torch.tensor([4, 4, 4]), torch.tensor([180, 180, 180])
+    together = select_topk(look_ahead(mass, 8, lo), 32, lo, hi, first_of_ties=True)
+    for i in range(3):
+        one = select_topk(look_ahead(mass[i:i + 1], 8, lo[:1]), 32, lo[:1], hi[:1],
+                          first_of_ties=True)
+        assert torch.equal(together[i:i + 1], one)
 
 
 def test_decode_kernels_bench_reports_every_path_and_its_error(tmp_path, capsys):

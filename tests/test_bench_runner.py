@@ -543,5 +543,17 @@ def test_untracked_paths_are_listed_not_counted_as_dirty(monkeypatch):
     assert provenance.git()["dirty"] is True
 
 
+def test_machine_record_names_the_cpu_matmul_flags(monkeypatch):
+    """Hosts of one CPU model name differ in AMX; the record says which this one has."""
+    from sgl_spec import cpu
+    from sgl_spec.bench import provenance
+
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset({"fpu", "amx_tile", "avx2",
+                                                         "avx512_bf16"}))
+    assert provenance.machine()["cpu_matmul_flags"] == ["avx2", "avx512_bf16", "amx_tile"]
+    monkeypatch.setattr(cpu, "flags", lambda: frozenset())
+    assert provenance.machine()["cpu_matmul_flags"] == []
+
+
 def test_offload_report_is_none_without_a_server_or_offload():
     assert runner.offload_report("http://127.0.0.1:9") is None  # nothing listens

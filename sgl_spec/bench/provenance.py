@@ -61,6 +61,7 @@ def machine() -> dict:
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_matmul_flags": host_cpu.matmul_flags(),
         "memory_bytes": psutil.virtual_memory().total,
         "python": sys.version.split()[0],
         "versions": {d: _version(d) for d in ("sglang", "torch", "transformers", "sgl_spec")},

@@ -13,6 +13,12 @@ through the request's slot list (what the serving path pays). Reports medians an
 reselect / (n_d x dense step); below 1 means reselection is cheaper. Times are
 ``timing.median_s`` of ``--repeats`` calls after ``WARMUP`` untimed ones. Not a test;
 CPU by default.
+
+``parts`` splits the served reselection (keys gathered from the pool) into its calls:
+the gather, ``score_history`` (and, inside it, the logits' matmul alone: in fp32 as a CPU
+scores, and in bfloat16 as a GPU does), ``look_ahead`` and ``select_topk``; and
+``look_ahead`` + ``select_topk`` made once for ``--layers`` layers' scores together, per
+layer: what a reselection batched over the layers would pay for them.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ WARMUP = 3  # untimed calls before each median
 def run(
     seq_len: int, nd: int, budget: int, num_q_heads: int, num_kv_heads: int,
     head_dim: int, dtype: torch.dtype, repeats: int, sink: int = 4, window: int = 64,
-    lookahead: int = DecodeConfig.lookahead,
+    lookahead: int = DecodeConfig.lookahead, layers: int = 30,
 ) -> dict:
     gen = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
@@ -73,15 +79,54 @@ def run(
                 "nd_dense_steps_ms": nd * t_dense * 1e3,
                 "ratio": t_sel / (nd * t_dense),
             }
+        parts = _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers,
+                            scratch, repeats)
     return {
+        "parts": parts,
         "config": {
             "seq_len": seq_len, "nd": nd, "budget": budget, "num_q_heads": num_q_heads,
             "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": str(dtype),
-            "lookahead": lookahead,
+            "lookahead": lookahead, "layers": layers,
             "repeats": repeats, "threads": torch.get_num_threads(),
         },
         "per_layer": rows,
     }
+
+
+def _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers, scratch,
+           repeats) -> dict:
+    """Per-layer ms of each call of the served reselection (module docstring)."""
+    keys = k_buf.index_select(0, slots)[None]
+    mass = score_history(ring, keys, scale, q_pos, scratch=scratch)
+    ahead = look_ahead(mass, lookahead, lo)
+    _, nd, hq, d = ring.shape
+    hkv, n = keys.shape[2], keys.shape[1]
+    q = ring[0].float().reshape(nd, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
+    kh = keys[0].permute(1, 0, 2).float().contiguous()
+    many = ahead.expand(layers, -1, -1).contiguous()
+    lo_l, hi_l = lo.expand(layers), hi.expand(layers)
+
+    def ms(fn, per=1):
+        return median_s(fn, repeats, WARMUP) * 1e3 / per
+
+    out = {
+        "gather_ms": ms(lambda: k_buf.index_select(0, slots)),
+        "score_history_ms": ms(lambda: score_history(ring, keys, scale, q_pos,
+                                                     scratch=scratch)),
+        "logits_matmul_fp32_ms": ms(lambda: torch.bmm(q, kh.transpose(1, 2))),
+        "logits_matmul_bf16_ms": ms(lambda: torch.bmm(q.bfloat16(),
+                                                      kh.bfloat16().transpose(1, 2))),
+        "look_ahead_ms": ms(lambda: look_ahead(mass, lookahead, lo)),
+        "select_topk_ms": ms(lambda: select_topk(ahead, budget, lo, hi,
+                                                 first_of_ties=lookahead > 0)),
+        "layers_batched_look_ahead_select_ms": ms(
+            lambda: select_topk(look_ahead(many, lookahead, lo_l), budget, lo_l, hi_l,
+                                first_of_ties=lookahead > 0), per=layers),
+    }
+    out["sum_ms"] = sum(out[k] for k in ("gather_ms", "score_history_ms", "look_ahead_ms",
+                                         "select_topk_ms"))
+    out["keys"] = n
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,12 +145,18 @@ def main(argv: list[str] | None = None) -> None:
                    repeats_default=20, threads="torch CPU threads (default 1: stable medians "
                    "on a shared machine; 0: leave torch's default)", threads_default=1,
                    model_path=False)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="layers whose scores the batched row selects in one call (default 30: "
+                    "the default model's)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error("--layers must be >= 1")
     cli.set_threads(args.threads)
     res = run(
         args.seq_len, args.nd, args.budget, args.num_q_heads, args.num_kv_heads,
         args.head_dim, getattr(torch, args.dtype), args.repeats, lookahead=args.lookahead,
+        layers=args.layers,
     )
     c = res["config"]
     print(
@@ -119,6 +170,16 @@ def main(argv: list[str] | None = None) -> None:
             f"{label:18} {r['reselect_ms']:12.3f} {r['dense_step_ms']:14.3f} "
             f"{r['nd_dense_steps_ms']:12.3f} {r['ratio']:7.3f}"
         )
+    p = res["parts"]
+    print("\nthe served reselection's calls, ms per layer (keys gathered from the pool):")
+    for key, label in (("gather_ms", "gather"), ("score_history_ms", "score_history"),
+                       ("logits_matmul_fp32_ms", "  its logits matmul, fp32"),
+                       ("logits_matmul_bf16_ms", "  the same in bfloat16"),
+                       ("look_ahead_ms", "look_ahead"), ("select_topk_ms", "select_topk"),
+                       ("sum_ms", "sum"),
+                       ("layers_batched_look_ahead_select_ms",
+                        f"look_ahead + select_topk, {c['layers']} layers in one call")):
+        print(f"  {label:48} {p[key]:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
