@@ -16,7 +16,7 @@ CPU by default.
 
 ``parts`` splits the served reselection (keys gathered from the pool) into its calls:
 the gather, ``score_history`` (and, inside it, the logits' matmul alone: in fp32 as a CPU
-scores, and in bfloat16 as a GPU does), ``look_ahead`` and ``select_topk``; and
+scores, and in bfloat16 on bfloat16 operands as a GPU does), ``look_ahead`` and ``select_topk``; and
 ``look_ahead`` + ``select_topk`` made once for ``--layers`` layers' scores together, per
 layer: what a reselection batched over the layers would pay for them.
 """
@@ -103,6 +103,7 @@ def _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers, 
     hkv, n = keys.shape[2], keys.shape[1]
     q = ring[0].float().reshape(nd, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)
     kh = keys[0].permute(1, 0, 2).float().contiguous()
+    qb, khb = q.bfloat16(), keys[0].permute(1, 0, 2).bfloat16().contiguous()  # as pooled
     many = ahead.expand(layers, -1, -1).contiguous()
     lo_l, hi_l = lo.expand(layers), hi.expand(layers)
 
@@ -114,8 +115,7 @@ def _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers, 
         "score_history_ms": ms(lambda: score_history(ring, keys, scale, q_pos,
                                                      scratch=scratch)),
         "logits_matmul_fp32_ms": ms(lambda: torch.bmm(q, kh.transpose(1, 2))),
-        "logits_matmul_bf16_ms": ms(lambda: torch.bmm(q.bfloat16(),
-                                                      kh.bfloat16().transpose(1, 2))),
+        "logits_matmul_bf16_ms": ms(lambda: torch.bmm(qb, khb.transpose(1, 2))),
         "look_ahead_ms": ms(lambda: look_ahead(mass, lookahead, lo)),
         "select_topk_ms": ms(lambda: select_topk(ahead, budget, lo, hi,
                                                  first_of_ties=lookahead > 0)),
