@@ -16,9 +16,9 @@ CPU by default.
 
 ``parts`` splits the served reselection (keys gathered from the pool) into its calls:
 the gather, ``score_history`` (and, inside it, the logits' matmul alone: in fp32 as a CPU
-scores, and in bfloat16 on bfloat16 operands as a GPU does), ``look_ahead`` and ``select_topk``; and
-``look_ahead`` + ``select_topk`` made once for ``--layers`` layers' scores together, per
-layer: what a reselection batched over the layers would pay for them.
+scores, and in bfloat16 on bfloat16 operands as a GPU does), ``look_ahead`` and
+``select_topk``; and ``look_ahead`` + ``select_topk`` made once for ``--layers`` layers'
+scores together, per layer: what a reselection batched over the layers would pay.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run(
                 "ratio": t_sel / (nd * t_dense),
             }
         parts = _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers,
-                            scratch, repeats)
+                       scratch, repeats)
     return {
         "parts": parts,
         "config": {
