@@ -116,9 +116,11 @@ def test_layers_torch_native_handles_keep_its_code():
     assert not backend._own(layer())
 
 
-def test_long_extend_over_a_prefix_runs_the_fused_split(monkeypatch):
-    """From SPLIT_MIN_QUERIES new queries over a prefix the CPU runs the two fused
-    parts, not the masked call; shorter extends and fresh prompts keep the one call."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_calls_agree_with_the_masked_reference(monkeypatch, dtype):
+    """Each of exact_extend's three calls is the offset-causal attention: padded over a
+    short prefix (torch_native's call), the fused split from SPLIT_MIN_QUERIES new queries
+    over a longer one, the masked call for fewer; without a prefix one causal call."""
     from sgl_spec.attention import extend
 
     calls = []
@@ -127,18 +129,41 @@ def test_long_extend_over_a_prefix_runs_the_fused_split(monkeypatch):
                         lambda q, *a: calls.append(q.shape[0]) or split(q, *a))
     gen = torch.Generator().manual_seed(3)
     n = extend.SPLIT_MIN_QUERIES
-    for prefix, new in ((40, n), (40, n - 1), (0, n)):
-        q = torch.randn(new, HEADS, DIM, generator=gen)
-        k = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen)
-        v = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen)
+    cases = ((40, n, "padded"), (n // 4, n, "padded"), (n // 4 + 1, n, "split"),
+             (300, n - 1, "masked"), (0, n, "padded"), (0, 3, "padded"), (1, 3, "masked"))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for prefix, new, call in cases:
+        q = torch.randn(new, HEADS, DIM, generator=gen).to(dtype)
+        k = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen).to(dtype)
+        v = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen).to(dtype)
+        assert extend.extend_call(q, k, v, prefix) == call, (prefix, new)
         got = extend.exact_extend(q, k, v, prefix, 0.25)
+        assert got.dtype == dtype and got.shape == q.shape
         mask = offset_causal_mask(prefix, new, q.device)
         want = torch.nn.functional.scaled_dot_product_attention(
             q.movedim(0, 1)[None].double(), k.movedim(0, 1)[None].double(),
             v.movedim(0, 1)[None].double(), attn_mask=mask, scale=0.25,
             enable_gqa=True)[0].movedim(1, 0)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     assert calls == [n]
+
+
+def test_padded_extend_is_torch_natives_call_bit_for_bit():
+    """Over a short prefix exact mode makes stock's own call: same bits as torch_native's
+    padded query (its prefix rows hold anything; they are never read)."""
+    from sgl_spec.attention.extend import exact_extend
+
+    gen = torch.Generator().manual_seed(5)
+    prefix, new = 24, 200
+    q = torch.randn(new, HEADS, DIM, generator=gen).bfloat16()
+    k = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen).bfloat16()
+    v = torch.randn(prefix + new, KV_HEADS, DIM, generator=gen).bfloat16()
+    stock_q = torch.randn(prefix + new, HEADS, DIM, generator=gen).bfloat16()
+    stock_q[prefix:] = q
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        stock_q.movedim(0, 1)[None], k.movedim(0, 1)[None], v.movedim(0, 1)[None],
+        is_causal=True, enable_gqa=True, scale=0.25)[0].movedim(1, 0)[prefix:]
+    assert torch.equal(exact_extend(q, k, v, prefix, 0.25), stock)
 
 
 def test_offset_causal_mask():

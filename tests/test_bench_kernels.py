@@ -80,6 +80,25 @@ def test_reselect_bench_ratio_is_reselect_over_nd_dense_steps(tmp_path):
         reselect.main(["--layers", "0"])
 
 
+def test_extend_bench_times_every_call_and_reports_the_rules_pick(tmp_path):
+    from sgl_spec.attention.extend import CALLS
+    from sgl_spec.bench import extend
+
+    extend.main(["--points", "4:32", "64:16", "--repeats", "1", "--rounds", "2",
+                 "--dtype", "float32", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["prefix"], r["new"]) for r in res["points"]] == [(4, 32), (64, 16)]
+    assert [r["pick"] for r in res["points"]] == ["padded", "masked"]
+    for r in res["points"]:
+        assert set(r["ms"]) == set(CALLS) and all(0 < s[0] <= s[1] <= s[2]
+                                                  for s in r["ms"].values())
+        assert r["pick_over_best"] >= 1.0
+    assert "| 64 | 16 |" in (tmp_path / "results.md").read_text()
+    for bad in (["--points", "4"], ["--points", "-1:4"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            extend.main([*bad, "--out", str(tmp_path)])
+
+
 def test_batched_selection_over_layers_equals_one_call_per_layer():
     """The parts' batched row selects L layers' scores in one call: the same top-B as one
     call per layer (the look-ahead and the stable ties are row-wise)."""
