@@ -303,8 +303,9 @@ class DecodeConfig:
     """Decode attention: the mode and what a sparse policy keeps per request, KV head and
     layer: ``budget`` selected positions (B), the first ``sink`` and last ``window``
     positions; LoopServe reselects every ``nd`` steps from the first selection at step
-    ``first_select_step`` (Algorithm 3: 16, not a flag); histories under
-    ``min_context`` decode exactly."""
+    ``first_select_step`` (Algorithm 3: 16, not a flag), and with ``prompt_seed`` (not a
+    flag) its steps before that attend a selection the prompt's last ``nd`` queries made
+    at prefill; histories under ``min_context`` decode exactly."""
 
     mode: str = "exact"
     budget: int = 1024
@@ -314,6 +315,7 @@ class DecodeConfig:
     lookahead: int = 16
     min_context: int = 2048
     first_select_step: int = 16
+    prompt_seed: bool = True
     draft_path: str = ""
     prefetch: str = "auto"
     dense_layers: int = 0
@@ -330,6 +332,8 @@ class DecodeConfig:
         n = self.first_select_step
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"first_select_step {n!r} is invalid; valid range: integers >= 0")
+        if not isinstance(self.prompt_seed, bool):
+            raise TypeError(f"prompt_seed {self.prompt_seed!r} is invalid; valid: True, False")
         if self.mode != "specontext":
             for flag, value, default in (("--spec-draft-path", self.draft_path, ""),
                                          ("--spec-prefetch", self.prefetch, "auto")):
@@ -382,11 +386,13 @@ class DecodeConfig:
     def first_sparse_step(self, prompt_len: int) -> int | None:
         """The first decode step (0-based) of a ``prompt_len``-token request that attends a
         subset, None if none does (exact mode, or a history too short; the history's
-        growth during the answer is not counted). LoopServe's first selection is at
-        ``first_select_step``; SnapKV and StreamingLLM select before the first step."""
+        growth during the answer is not counted). LoopServe's first selection from decoded
+        queries is at ``first_select_step``, its prompt's (``prompt_seed``) at prefill;
+        SnapKV and StreamingLLM select before the first step."""
         if self.mode == "exact" or self.use_exact(prompt_len):
             return None
-        return self.first_select_step if self.mode == "loopserve" else 0
+        return self.first_select_step if self.mode == "loopserve" and not self.prompt_seed \
+            else 0
 
     @property
     def retrieval_head(self) -> bool:

@@ -32,7 +32,7 @@ def test_ratios_over_all_tokens_and_after_the_first_selection():
     assert res["late_ratios"][f"{ds.LOOPSERVE} / stock"]["7168x1"] == pytest.approx(4.0)
     md = ds.markdown(res)
     assert "| 7168 | 1 | 4.00 | 3.50 | 12.00 | 3.000 |" in md
-    assert "After loopserve's first selection" in md and "| 4.000 |" in md
+    assert "After loopserve's first reselection" in md and "| 4.000 |" in md
 
 
 def test_bad_plan_values_are_clean_errors(capsys):

@@ -355,6 +355,38 @@ def test_snapkv_scores_the_final_chunk_and_decodes_its_selection():
     assert core.decoder.policy.state("r").step == 0 and not plan.extend.scored
 
 
+def test_loopserve_seeds_its_first_steps_from_the_prompts_last_nd_queries():
+    """LoopServe's prompt seed on the served path: the pass that ends a long prompt
+    scores it with its last nd queries, and the first decode step attends that
+    selection (a short prompt in the same pass starts at its first decode step)."""
+    core = AttentionCore(decoder("loopserve"))
+    twin = get_policy("loopserve", CFG, SHAPE)
+    pool = FakePool()
+    hq, d = SHAPE.num_q_heads, SHAPE.head_dim
+    pool.append(0, 90), pool.append(1, 12)
+    plan = core.plan(view(pool, ["r", "s"], [0, 1], "extend", [90, 12]))
+    (row,) = plan.extend.scored.values()
+    assert (row.rid, row.q_start, row.q_end) == ("r", 90 - CFG.nd, 90)
+    q = torch.randn(102, hq, d, generator=pool.gen)
+    twin.start("r", 90)
+    for layer in range(SHAPE.num_layers):
+        out = torch.full_like(q, float("nan"))
+        core.run(plan, layer, q, pool.k[layer], pool.v[layer], out, SCALE)
+        twin.prefill_layer("r", layer, q[90 - CFG.nd : 90], pool.history(layer, 0))
+    assert "s" not in core.decoder.policy.states
+    pool.append(0), pool.append(1)
+    plan = core.plan(view(pool, ["r", "s"], [0, 1]))
+    r, sels = decode_step(twin, "r", 91, lambda layer: q[0], None)
+    assert r.kind == Kind.SPARSE and not r.reselect
+    assert core.decoder.policy.state("s").step == 0
+    qd = torch.randn(2, hq, d)
+    out = run_layer(core.decoder, plan.decode, pool, qd, 0)
+    torch.testing.assert_close(out[0], subset_attention(pool, 0, 0, qd[0], sels[0],
+                                                        r.recent_start), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[1], full_attention(pool, 0, 1, qd[1]), rtol=1e-4, atol=1e-5)
+    assert core.decoder.rows()["r"]["path"] == "sparse"
+
+
 # ------------------------------------------------------------------ the ForwardBatch view
 
 
@@ -477,10 +509,11 @@ class TestSmallBudget:
         meta = out["meta_info"]
         assert 800 <= meta["prompt_tokens"] <= 1300
         assert meta["completion_tokens"] == 48 and out["text"].strip()
-        # 47 decode steps (the first token comes from prefill): 0..15 exact, then
-        # sparse, selecting at steps 16 and 32. Overlap scheduling may run one more.
-        assert delta(after, before, EXACT) == 16
-        assert 31 <= delta(after, before, SPARSE) <= 32
+        # 47 decode steps (the first token comes from prefill), all sparse: 0..15 attend
+        # what the prompt's last 16 queries selected at prefill, and the decoded queries
+        # select anew at steps 16 and 32. Overlap scheduling may run one more.
+        assert delta(after, before, EXACT) == 0
+        assert 47 <= delta(after, before, SPARSE) <= 48
         assert delta(after, before, RESELECT) == 2
         # Attended per step: sink 4 + budget 64 + window 64 plus up to nd - 1 new tokens.
         n = delta(after, before, "sgl_spec:sparse_selected_tokens_count")
@@ -490,15 +523,15 @@ class TestSmallBudget:
         # Pass times by path: each decode pass but the last (no decode pass follows it).
         passes = {p: delta(after, before, f'sgl_spec:decode_pass_seconds_count{{path="{p}"}}')
                   for p in ("exact", "sparse", "reselect")}
-        assert passes["exact"] == 16 and passes["reselect"] == 2
-        assert 28 <= passes["sparse"] <= 30
+        assert passes["exact"] == 0 and passes["reselect"] == 2
+        assert 44 <= passes["sparse"] <= 46
         assert delta(after, before, 'sgl_spec:decode_pass_seconds_sum{path="sparse"}') > 0
 
     def test_a_follow_up_turn_reuses_only_what_dense_passes_wrote(self, small_budget_server):
-        """--spec-sparse-kv-cache drop: the radix cache keeps the prompt and the answer's
-        first 16 tokens (decoded exactly before LoopServe's first selection), not the KV
-        written from the first sparse step on (the specontext server, whose default auto
-        is drop too, hits only the prompt: its every step is sparse)."""
+        """--spec-sparse-kv-cache drop: the radix cache keeps the prompt, not the KV
+        written from the first sparse step on, which is the first step here (the
+        prompt's seed; the specontext server, whose default auto is drop too, hits only
+        the prompt as well)."""
         url = small_budget_server.url
         first = chatml("Summarize this text.\n" + _doc("argparse", 4000))
         before = sparse_metrics(url)
@@ -509,8 +542,8 @@ class TestSmallBudget:
                   + "<|im_start|>assistant\n")
         b = generate(url, follow, 8)
         p = a["meta_info"]["prompt_tokens"]
-        # Step k writes the KV of position p + k; step 16 is the first sparse one.
-        assert p - 1 <= b["meta_info"]["cached_tokens"] <= p + 16
+        # Step k writes the KV of position p + k; step 0 is the first sparse one.
+        assert p - 1 <= b["meta_info"]["cached_tokens"] <= p
         assert b["meta_info"]["prompt_tokens"] > p + 40
         assert sparse_metrics(url)["sgl_spec:sparse_live_states"] == 0
 
@@ -525,7 +558,7 @@ class TestSmallBudget:
 
     def test_aborted_streams_free_their_states(self, small_budget_server):
         """Streams cut by the client at seeded random points (some before their first
-        token, some mid-decode, sparse past step 16), then the server: every sparse
+        token, some mid-decode, sparse from their first step), then the server: every sparse
         state freed, and a greedy request over the cached prompt answers as the same
         request did before the aborts."""
         import random

@@ -27,6 +27,7 @@ from sgl_spec.sparse import (
     score_history,
     select_topk,
 )
+from sgl_spec.sparse.scoring import look_ahead
 from sgl_spec.sparse import policy as policy_mod
 from sgl_spec.sparse.slots import BufferSpec
 
@@ -452,6 +453,56 @@ def test_loopserve_reused_slot_ignores_the_previous_owners_ring():
     assert pol.state("new").slot == 0  # the old request's slot
     assert not (log[16][2][0] == 77).any(dim=1).all()
     pol.release("new")
+
+
+def test_loopserve_prompt_seed_attends_the_prompts_selection_from_step_0():
+    """Seeded at prefill (its last nd queries per layer), a long prompt's steps before
+    the first selection attend what those queries select, as reselect scores; the
+    decoded queries then reselect at first_select_step as before."""
+    pol = get_policy("loopserve", CFG, SHAPE)
+    assert pol.scores_prompt() and pol.prefill_window == CFG.nd
+    dirs = unit_dirs(3)
+    keys = [noise_keys(300, 20 + layer) for layer in range(SHAPE.num_layers)]
+    for layer, p in enumerate((30, 57)):
+        keys[layer][p] = 3.0 * dirs
+    n = 200
+    pol.start("r", n)
+    prompt_q = [torch.stack([aligned_query(dirs, 50 + i) for i in range(CFG.nd)])
+                for _ in range(SHAPE.num_layers)]
+    for layer in range(SHAPE.num_layers):
+        pol.prefill_layer("r", layer, prompt_q[layer], keys[layer][:n])
+    lo, hi = torch.tensor([CFG.sink]), torch.tensor([n - CFG.window])
+    log = []
+    for s in range(20):
+        seq_len = n + 1 + s
+        log.append(decode_step(pol, "r", seq_len, lambda layer, s=s: aligned_query(dirs, s),
+                               lambda layer, m=seq_len: keys[layer][:m]))
+    for s, (row, sels) in enumerate(log):
+        assert row.kind == Kind.SPARSE and row.observe == s % CFG.nd
+        assert row.reselect == (s == 16)
+    for layer, p in enumerate((30, 57)):
+        mass = score_history(prompt_q[layer][None], keys[layer][:n][None], SHAPE.sm_scale,
+                             torch.arange(n - CFG.nd, n)[None])
+        want = select_topk(look_ahead(mass, CFG.lookahead, lo), CFG.budget, lo, hi,
+                           first_of_ties=True)[0]
+        assert torch.equal(log[0][1][layer], want) and (want == p).any(dim=1).all()
+        assert log[0][0].recent_start == n - CFG.window
+    assert pol.release("r") and pol.live_states == 0
+
+
+def test_loopserve_prompt_seed_off_or_short_prompt_keeps_the_dense_start():
+    off = get_policy("loopserve", dataclasses.replace(CFG, prompt_seed=False), SHAPE)
+    assert not off.scores_prompt()
+    pol = get_policy("loopserve", CFG, SHAPE)
+    pol.start("short", 20)  # < min_context: nothing to select from
+    for layer in range(SHAPE.num_layers):
+        pol.prefill_layer("short", layer, torch.randn(CFG.nd, 6, 16), noise_keys(20, layer))
+    row, sels = decode_step(pol, "short", 21, lambda layer: torch.randn(6, 16), None)
+    assert row.kind == Kind.OBSERVE and not sels  # dense until a selection from decode
+    with pytest.raises(ValueError, match="do not fit prompt_len"):
+        pol.prefill_layer("short", 0, torch.randn(CFG.nd + 1, 6, 16), noise_keys(20, 0))
+    with pytest.raises(TypeError, match="prompt_seed"):
+        dataclasses.replace(CFG, prompt_seed="yes")
 
 
 def test_loopserve_short_history_stays_exact():

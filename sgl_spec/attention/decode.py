@@ -211,8 +211,10 @@ class Decoder:
                 why = f"exact: history {n} < min_context {cfg.min_context}"
             elif cfg.use_exact(n):
                 why = f"exact: budget + sink + window cover the history {n}"
-            elif st.step < cfg.first_select_step and cfg.mode == "loopserve":
-                why = f"exact until LoopServe's first selection (step {cfg.first_select_step})"
+            elif (cfg.mode == "loopserve" and st.step < cfg.first_select_step
+                  and getattr(st, "dense", False)):
+                why = (f"exact until LoopServe's first selection (step "
+                       f"{cfg.first_select_step}): no prompt seed")
             else:
                 why = "sparse"
             out[rid] = {"history": n, "step": st.step, "path": why.split(":")[0], "why": why}
@@ -423,8 +425,9 @@ class Decoder:
     # ------------------------------------------------------------ prefill (SnapKV)
 
     def plan_extend(self, batch: BatchView) -> list[ScoreRow]:
-        """Start the states of a policy that scores the prompt (SnapKV); returns the
-        rows whose last ``window`` queries of the pass score their prompt.
+        """Start the states of a policy that scores the prompt (SnapKV, LoopServe's
+        seed); returns the rows whose last ``prefill_window`` queries of the pass score
+        their prompt.
 
         A chunked prompt is scored at each chunk of a pass that ends some prompt; the
         last chunk's scoring wins (sglang does not say which request's prompt ends).
@@ -444,10 +447,11 @@ class Decoder:
                 self.seen(rid)
                 if e == 1 and st.step >= 0:
                     continue  # a decoding row of a mixed batch
-            if (batch.final_chunk and self.policy.needs_prefill_queries
+            if (batch.final_chunk and self.policy.scores_prompt()
                     and n >= self.policy.cfg.min_context):
                 self.start(rid, n)
-                out.append(ScoreRow(rid, n, i, q_end - min(e, self.policy.cfg.window), q_end))
+                out.append(ScoreRow(rid, n, i, q_end - min(e, self.policy.prefill_window),
+                                    q_end))
         return out
 
 

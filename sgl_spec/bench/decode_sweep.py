@@ -22,8 +22,8 @@ the ratios of ``RATIOS``) and ``decode_speed.png``.
 Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only a
 row's own flags differ; loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters
 (``sparse_counters``, read before and after each point) say how many request-steps
-attended a sparse subset. LoopServe decodes exactly before its first selection
-(step 16) and below ``--spec-min-context``. Every sgl_spec row also reports
+attended a sparse subset. LoopServe's steps over a long prompt are sparse from the first
+(the prompt's seed); below ``--spec-min-context`` they are exact. Every sgl_spec row also reports
 ``sgl_spec:decode_pass_seconds`` by path ("Decode pass time by path": the mean pass, and
 sparse and reselect passes over the same server's exact pass, free of the drift between
 server starts).
@@ -79,8 +79,8 @@ RATIOS: tuple[tuple[str, str], ...] = (
 # Rows whose per-start ratios are tabulated against every other row's.
 START_BASELINES: tuple[str, ...] = (STOCK, EXACT)
 PNG = "decode_speed.png"
-# Tokens after the LATE_FROM-th: past loopserve's first selection (decode step 16,
-# the 17th token), the rate a long generation settles at; reported beside the rate
+# Tokens after the LATE_FROM-th: past loopserve's first selection from decoded queries
+# (decode step 16, the 17th token), the rate a long generation settles at; reported beside the rate
 # over all N - 1 decode steps, which the ratios use.
 LATE_FROM = 17
 
@@ -299,7 +299,7 @@ def markdown(res: dict) -> str:
              "decode request-steps of the point (timed rounds).", ""]
     late = res.get("late_ratios")
     if late:
-        lines += [f"## After loopserve's first selection (tokens {LATE_FROM + 1}..N)", "",
+        lines += [f"## After loopserve's first reselection (tokens {LATE_FROM + 1}..N)", "",
                   f"Rate over the tokens after the {LATE_FROM}th (decode step 16 selects), "
                   "where a long generation spends its time; medians as above.", "",
                   *_point_table(configs, [*_field(configs, "late_tok_s_median"),

@@ -13,14 +13,20 @@ token is kept before the decode reads it (a value after the subject the answer r
 issue 47). Its equal scores go to the earlier position, so a row selects alike in any
 batch.
 
+With ``prompt_seed`` (the default) a prompt of ``min_context`` tokens or more is scored
+at the end of its prefill by its last ``nd`` queries, into the ring, as a decode
+selection would score them (``prefill_layer``): the steps before the first selection
+attend that seed's selection, as the paper's decode starts from what its prefill
+selected (Sec 5.3), instead of attending densely.
+
 The current step's query is in the ring when it selects (Algorithm 3 observes
 ``X_i[|X_i| - n_d : |X_i|]``, the current token included). A selection fixes
 ``recent_start = seq_len - window``; tokens generated after it are in the window
 until the next selection, so the attended set never exceeds
 ``sink + budget + window + nd - 1``. ``--spec-window 1`` is Algorithm 3 verbatim (the
 window starts at the current token). Before the first selection, and whenever
-``use_exact`` holds at a selection step, decode is dense; the steps whose queries a
-coming selection will score are ``OBSERVE`` rows.
+``use_exact`` holds at a selection step, decode is dense (unseeded requests); the steps
+whose queries a coming selection will score are ``OBSERVE`` rows.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class LoopServeState(RequestState):
     dense: bool = True
     recent_start: int = 0
     ring_pos: list[int] = field(default_factory=list)  # [nd] position of each ring entry
+    seeded: int = 0  # layers the prompt's queries selected for at prefill
 
 
 class LoopServePolicy(SelectionPolicy):
@@ -58,6 +65,35 @@ class LoopServePolicy(SelectionPolicy):
     def new_state(self, prompt_len: int, slot: int) -> LoopServeState:
         return LoopServeState(prompt_len, slot, seq_len=prompt_len,
                               ring_pos=[-1] * self.cfg.nd)
+
+    def scores_prompt(self) -> bool:
+        return self.cfg.prompt_seed
+
+    @property
+    def prefill_window(self) -> int:
+        return self.cfg.nd
+
+    def prefill_layer(self, rid, layer, q_obs, k) -> None:
+        """Seed: the prompt's last ``nd`` queries into the ring, and the selection they
+        make (``reselect``'s scoring), before the first decode step."""
+        st: LoopServeState = self.state(rid)
+        n, w = st.prompt_len, q_obs.shape[0]
+        if k.shape[0] != n or not 1 <= w <= min(n, self.cfg.nd):
+            raise ValueError(f"request {rid!r}: k {tuple(k.shape)} / q_obs {tuple(q_obs.shape)} "
+                             f"do not fit prompt_len {n} and nd {self.cfg.nd}")
+        if self.cfg.use_exact(n):
+            return
+        ring = self.slots.buffer("ring")[layer]  # [cap, nd, Hq, D]
+        ring[st.slot, :w] = q_obs.to(ring.dtype)
+        st.ring_pos = [*range(n - w, n), *[-1] * (self.cfg.nd - w)]
+        st.recent_start = n - self.cfg.window
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=k.device)
+        batch = ReselectBatch(slots=t([st.slot]), seq_lens=t([n]),
+                              lo=t([min(self.cfg.sink, n)]), hi=t([st.recent_start]),
+                              q_pos=t([st.ring_pos]))
+        self.reselect(layer, k[None], batch)
+        st.seeded += 1
+        st.dense = st.seeded < self.shape.num_layers
 
     def is_selection_step(self, step: int) -> bool:
         c = self.cfg

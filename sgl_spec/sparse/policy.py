@@ -15,7 +15,7 @@ streaming) and the recent window from ``recent_start`` on (the contract of
 Call order for one request (one sglang request is one turn)::
 
     policy.start(rid, prompt_len)              after prefill wrote the prompt's K/V
-    policy.prefill_layer(rid, layer, q_obs, k) per layer, only if needs_prefill_queries
+    policy.prefill_layer(rid, layer, q_obs, k) per layer, only if it scores_prompt()
     loop over decode steps:
         row = policy.step(rid, seq_len)        once per step, before the layers
         per layer, batched over rows: observe / reselect / selection
@@ -102,7 +102,8 @@ class SelectionPolicy(ABC):
     """Base of every policy; see the module docstring for the call order."""
 
     name: ClassVar[str]
-    # Whether prefill_layer() must be fed the last prompt queries (SnapKV).
+    # Whether prefill_layer() must be fed the last prompt queries (SnapKV): a request
+    # starts its state there or decodes exactly. scores_prompt() may also ask for them.
     needs_prefill_queries: ClassVar[bool] = False
     # Whether select_pass() selects once per pass, before the layers, for every layer
     # (SpeContext); otherwise selection() is read per layer.
@@ -167,6 +168,16 @@ class SelectionPolicy(ABC):
     @abstractmethod
     def _on_step(self, st: RequestState) -> RowStep: ...
 
+    def scores_prompt(self) -> bool:
+        """Whether a long prompt's state starts at its prefill, fed its last
+        ``prefill_window`` queries per layer (``prefill_layer``)."""
+        return self.needs_prefill_queries
+
+    @property
+    def prefill_window(self) -> int:
+        """How many of the prompt's last queries ``prefill_layer`` is fed."""
+        return self.cfg.window
+
     def prefill_layer(
         self,
         rid: str,
@@ -174,7 +185,7 @@ class SelectionPolicy(ABC):
         q_obs: torch.Tensor,  # [w, Hq, D] the last w prompt queries of this layer
         k: torch.Tensor,  # [prompt_len, Hkv, D] this layer's prompt keys
     ) -> None:
-        """End-of-prefill scoring; a no-op unless ``needs_prefill_queries``."""
+        """End-of-prefill scoring; a no-op unless ``scores_prompt()``."""
 
     def observe(
         self,
