@@ -254,7 +254,9 @@ def test_decode_rows_say_which_requests_attend_a_subset_and_why():
     rows = dec.rows()
     assert rows["short"] == {"history": 20, "step": 0, "path": "exact",
                              "why": "exact: history 20 < min_context 32"}
-    assert rows["young"]["why"] == "exact until LoopServe's first selection (step 4)"
+    # started at decode, not at prefill: no prompt seed, dense until step 4
+    assert rows["young"]["why"] == ("exact until LoopServe's first selection (step 4): "
+                                    "no prompt seed")
     assert rows["old"]["path"] == "sparse" and rows["old"]["history"] == 45
     dec.release("old")
     assert "old" not in dec.rows() and Decoder(SHAPE).rows() == {}
