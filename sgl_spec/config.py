@@ -304,7 +304,7 @@ class DecodeConfig:
     layer: ``budget`` selected positions (B), the first ``sink`` and last ``window``
     positions; LoopServe reselects every ``nd`` steps from the first selection at step
     ``first_select_step`` (Algorithm 3: 16, not a flag), and with ``prompt_seed`` (not a
-    flag) its steps before that attend a selection the prompt's last ``nd`` queries made
+    flag) its steps before that attend a selection the prompt's last ``window`` queries made
     at prefill; histories under ``min_context`` decode exactly."""
 
     mode: str = "exact"

@@ -355,9 +355,9 @@ def test_snapkv_scores_the_final_chunk_and_decodes_its_selection():
     assert core.decoder.policy.state("r").step == 0 and not plan.extend.scored
 
 
-def test_loopserve_seeds_its_first_steps_from_the_prompts_last_nd_queries():
+def test_loopserve_seeds_its_first_steps_from_the_prompts_last_queries():
     """LoopServe's prompt seed on the served path: the pass that ends a long prompt
-    scores it with its last nd queries, and the first decode step attends that
+    scores it with its last ``window`` queries, and the first decode step attends that
     selection (a short prompt in the same pass starts at its first decode step)."""
     core = AttentionCore(decoder("loopserve"))
     twin = get_policy("loopserve", CFG, SHAPE)
@@ -366,13 +366,13 @@ def test_loopserve_seeds_its_first_steps_from_the_prompts_last_nd_queries():
     pool.append(0, 90), pool.append(1, 12)
     plan = core.plan(view(pool, ["r", "s"], [0, 1], "extend", [90, 12]))
     (row,) = plan.extend.scored.values()
-    assert (row.rid, row.q_start, row.q_end) == ("r", 90 - CFG.nd, 90)
+    assert (row.rid, row.q_start, row.q_end) == ("r", 90 - CFG.window, 90)
     q = torch.randn(102, hq, d, generator=pool.gen)
     twin.start("r", 90)
     for layer in range(SHAPE.num_layers):
         out = torch.full_like(q, float("nan"))
         core.run(plan, layer, q, pool.k[layer], pool.v[layer], out, SCALE)
-        twin.prefill_layer("r", layer, q[90 - CFG.nd : 90], pool.history(layer, 0))
+        twin.prefill_layer("r", layer, q[90 - CFG.window : 90], pool.history(layer, 0))
     assert "s" not in core.decoder.policy.states
     pool.append(0), pool.append(1)
     plan = core.plan(view(pool, ["r", "s"], [0, 1]))
@@ -510,7 +510,7 @@ class TestSmallBudget:
         assert 800 <= meta["prompt_tokens"] <= 1300
         assert meta["completion_tokens"] == 48 and out["text"].strip()
         # 47 decode steps (the first token comes from prefill), all sparse: 0..15 attend
-        # what the prompt's last 16 queries selected at prefill, and the decoded queries
+        # what the prompt's last 64 queries selected at prefill, and the decoded queries
         # select anew at steps 16 and 32. Overlap scheduling may run one more.
         assert delta(after, before, EXACT) == 0
         assert 47 <= delta(after, before, SPARSE) <= 48

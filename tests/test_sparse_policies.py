@@ -456,11 +456,11 @@ def test_loopserve_reused_slot_ignores_the_previous_owners_ring():
 
 
 def test_loopserve_prompt_seed_attends_the_prompts_selection_from_step_0():
-    """Seeded at prefill (its last nd queries per layer), a long prompt's steps before
+    """Seeded at prefill (its last queries per layer), a long prompt's steps before
     the first selection attend what those queries select, as reselect scores; the
     decoded queries then reselect at first_select_step as before."""
     pol = get_policy("loopserve", CFG, SHAPE)
-    assert pol.scores_prompt() and pol.prefill_window == CFG.nd
+    assert pol.scores_prompt() and pol.prefill_window == CFG.window
     dirs = unit_dirs(3)
     keys = [noise_keys(300, 20 + layer) for layer in range(SHAPE.num_layers)]
     for layer, p in enumerate((30, 57)):
@@ -500,7 +500,7 @@ def test_loopserve_prompt_seed_off_or_short_prompt_keeps_the_dense_start():
     row, sels = decode_step(pol, "short", 21, lambda layer: torch.randn(6, 16), None)
     assert row.kind == Kind.OBSERVE and not sels  # dense until a selection from decode
     with pytest.raises(ValueError, match="do not fit prompt_len"):
-        pol.prefill_layer("short", 0, torch.randn(CFG.nd + 1, 6, 16), noise_keys(20, 0))
+        pol.prefill_layer("short", 0, torch.randn(21, 6, 16), noise_keys(20, 0))
     with pytest.raises(TypeError, match="prompt_seed"):
         dataclasses.replace(CFG, prompt_seed="yes")
 

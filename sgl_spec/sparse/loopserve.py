@@ -14,10 +14,10 @@ issue 47). Its equal scores go to the earlier position, so a row selects alike i
 batch.
 
 With ``prompt_seed`` (the default) a prompt of ``min_context`` tokens or more is scored
-at the end of its prefill by its last ``nd`` queries, into the ring, as a decode
-selection would score them (``prefill_layer``): the steps before the first selection
-attend that seed's selection, as the paper's decode starts from what its prefill
-selected (Sec 5.3), instead of attending densely.
+at the end of its prefill by its last ``window`` queries, as a decode selection scores
+the ring (``prefill_layer``; SnapKV's observation window): the steps before the first
+selection attend that seed's selection, as the paper's decode starts from what its
+prefill selected (Sec 5.3), instead of attending densely.
 
 The current step's query is in the ring when it selects (Algorithm 3 observes
 ``X_i[|X_i| - n_d : |X_i|]``, the current token included). A selection fixes
@@ -69,29 +69,22 @@ class LoopServePolicy(SelectionPolicy):
     def scores_prompt(self) -> bool:
         return self.cfg.prompt_seed
 
-    @property
-    def prefill_window(self) -> int:
-        return self.cfg.nd
-
     def prefill_layer(self, rid, layer, q_obs, k) -> None:
-        """Seed: the prompt's last ``nd`` queries into the ring, and the selection they
-        make (``reselect``'s scoring), before the first decode step."""
+        """Seed: the selection the prompt's last ``window`` queries make, scored as
+        ``reselect`` scores the ring, before the first decode step."""
         st: LoopServeState = self.state(rid)
         n, w = st.prompt_len, q_obs.shape[0]
-        if k.shape[0] != n or not 1 <= w <= min(n, self.cfg.nd):
+        if k.shape[0] != n or not 1 <= w <= n:
             raise ValueError(f"request {rid!r}: k {tuple(k.shape)} / q_obs {tuple(q_obs.shape)} "
-                             f"do not fit prompt_len {n} and nd {self.cfg.nd}")
+                             f"do not fit prompt_len {n}")
         if self.cfg.use_exact(n):
             return
-        ring = self.slots.buffer("ring")[layer]  # [cap, nd, Hq, D]
-        ring[st.slot, :w] = q_obs.to(ring.dtype)
-        st.ring_pos = [*range(n - w, n), *[-1] * (self.cfg.nd - w)]
         st.recent_start = n - self.cfg.window
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=k.device)
         batch = ReselectBatch(slots=t([st.slot]), seq_lens=t([n]),
                               lo=t([min(self.cfg.sink, n)]), hi=t([st.recent_start]),
-                              q_pos=t([st.ring_pos]))
-        self.reselect(layer, k[None], batch)
+                              q_pos=t([list(range(n - w, n))]))
+        self._select(layer, q_obs[None], k[None], batch)
         st.seeded += 1
         st.dense = st.seeded < self.shape.num_layers
 
@@ -131,7 +124,12 @@ class LoopServePolicy(SelectionPolicy):
 
     def reselect(self, layer, keys, batch: ReselectBatch) -> None:
         ring = self.slots.rows("ring", layer, batch.slots)  # [R, nd, Hq, D]
-        scores = score_history(ring, keys, self.shape.sm_scale, batch.q_pos,
+        self._select(layer, ring, keys, batch)
+
+    def _select(self, layer, q, keys, batch: ReselectBatch) -> None:
+        """Score the rows' histories by the attention of ``q`` [R, n, Hq, D] at
+        ``batch.q_pos`` and store each KV head's top B (Eq. 7, with the look-ahead)."""
+        scores = score_history(q, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens, self.scratch)  # [R, Hkv, N]
         scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
         sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
