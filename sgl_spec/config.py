@@ -81,6 +81,11 @@ FLAGS: tuple[Flag, ...] = (
          "largest mass among itself and the N positions before it, so the selection keeps "
          "what follows an attended token before the answer reads it (0: LoopServe's own "
          "score, Eq. 7).", lo=0),
+    Flag("--spec-prompt-seed", "decode", "prompt_seed", "bool",
+         "loopserve: the decode steps before the first selection (step 16) attend what the "
+         "prompt's last --spec-window queries select at the end of its prefill (scored as "
+         "a reselection scores), instead of the whole history: faster over long prompts, "
+         "and more answers differ from exact's (docs/sparse-decode.md)."),
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),
@@ -303,9 +308,9 @@ class DecodeConfig:
     """Decode attention: the mode and what a sparse policy keeps per request, KV head and
     layer: ``budget`` selected positions (B), the first ``sink`` and last ``window``
     positions; LoopServe reselects every ``nd`` steps from the first selection at step
-    ``first_select_step`` (Algorithm 3: 16, not a flag), and with ``prompt_seed`` (not a
-    flag) its steps before that attend a selection the prompt's last ``window`` queries made
-    at prefill; histories under ``min_context`` decode exactly."""
+    ``first_select_step`` (Algorithm 3: 16, not a flag), and with ``prompt_seed`` its steps
+    before that attend a selection the prompt's last ``window`` queries made at prefill;
+    histories under ``min_context`` decode exactly."""
 
     mode: str = "exact"
     budget: int = 1024
@@ -315,7 +320,7 @@ class DecodeConfig:
     lookahead: int = 16
     min_context: int = 2048
     first_select_step: int = 16
-    prompt_seed: bool = True
+    prompt_seed: bool = False
     draft_path: str = ""
     prefetch: str = "auto"
     dense_layers: int = 0
@@ -332,8 +337,10 @@ class DecodeConfig:
         n = self.first_select_step
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"first_select_step {n!r} is invalid; valid range: integers >= 0")
-        if not isinstance(self.prompt_seed, bool):
-            raise TypeError(f"prompt_seed {self.prompt_seed!r} is invalid; valid: True, False")
+        if self.prompt_seed and self.mode != "loopserve":
+            raise ValueError(f"--spec-prompt-seed is read only with --spec-mode loopserve (got "
+                             f"--spec-mode {self.mode}); valid: drop it, or --spec-mode "
+                             "loopserve")
         if self.mode != "specontext":
             for flag, value, default in (("--spec-draft-path", self.draft_path, ""),
                                          ("--spec-prefetch", self.prefetch, "auto")):

@@ -150,6 +150,7 @@ def test_a_512_token_history_and_the_rows_parse(capsys):
     rows = sweep.select_rows(ds.CONFIGS, ["stock", "loopserve-B-1024"], ds.KEEP)
     assert [c.name for c in rows] == [ds.STOCK, ds.EXACT, ds.LOOPSERVE]
     assert [c.slug for c in ds.CONFIGS] == ["stock", "sgl_spec-exact", "loopserve-B-1024",
+                                          "loopserve-B-1024-seeded",
                                           "loopserve-prefill-a-0.97", "snapkv-B-1024",
                                           "streaming-B-1024", "specontext-B-1024",
                                           "specontext-B-1024-thread"]

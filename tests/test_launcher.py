@@ -402,6 +402,9 @@ def test_valid_flags_fill_the_config_and_contradictions_name_both_sides(chosen, 
     sglang += ["--page-size", page] * (page is not None)
     got, err = _split(argv + sglang)
     given_ = {f.name: value for f, _, value in chosen}
+    if given_.get("--spec-prompt-seed") and given_.get("--spec-mode", "exact") != "loopserve":
+        assert got == 2 and "--spec-prompt-seed is read only with --spec-mode loopserve" in err
+        return
     if given_.get("--spec-prefetch", "auto") != "auto" and \
             given_.get("--spec-mode", "exact") != "specontext":
         assert got == 2 and "--spec-prefetch is read only with --spec-mode specontext" in err

@@ -112,8 +112,8 @@ def test_answer_step(tokens, gold, step):
 def test_first_sparse_step_by_mode():
     long, short = 8000, 1000
     assert DecodeConfig(mode="exact").first_sparse_step(long) is None
-    assert DecodeConfig(mode="loopserve").first_sparse_step(long) == 0  # the prompt's seed
-    assert DecodeConfig(mode="loopserve", prompt_seed=False).first_sparse_step(long) == 16
+    assert DecodeConfig(mode="loopserve").first_sparse_step(long) == 16
+    assert DecodeConfig(mode="loopserve", prompt_seed=True).first_sparse_step(long) == 0
     assert DecodeConfig(mode="loopserve").first_sparse_step(short) is None  # < min_context
     assert DecodeConfig(mode="snapkv").first_sparse_step(long) == 0
     assert DecodeConfig(mode="streaming", budget=1).first_sparse_step(long) == 0
@@ -143,8 +143,7 @@ def test_answer_timing_counts_sparse_steps_before_the_answers():
     assert dense["by_style"]["long"] == {"n": 3, "answered": 2, "median_step": 30,
                                          "min_step": 30, "share_late": 1.0}
     assert dense["by_style"]["short"]["median_step"] == 0
-    unseeded = DecodeConfig(mode="loopserve", prompt_seed=False)
-    loop = summary.answer_timing(turns, unseeded.first_sparse_step)
+    loop = summary.answer_timing(turns, DecodeConfig(mode="loopserve").first_sparse_step)
     assert loop["sparse_steps_before_answer"] == 30 - 16
     assert loop["sparse_share_before_answer"] == pytest.approx(14 / 60)
     snap = summary.answer_timing(turns, DecodeConfig(mode="snapkv").first_sparse_step)

@@ -359,8 +359,9 @@ def test_loopserve_seeds_its_first_steps_from_the_prompts_last_queries():
     """LoopServe's prompt seed on the served path: the pass that ends a long prompt
     scores it with its last ``window`` queries, and the first decode step attends that
     selection (a short prompt in the same pass starts at its first decode step)."""
-    core = AttentionCore(decoder("loopserve"))
-    twin = get_policy("loopserve", CFG, SHAPE)
+    seeded = dataclasses.replace(CFG, mode="loopserve", prompt_seed=True)
+    core = AttentionCore(decoder("loopserve", seeded))
+    twin = get_policy("loopserve", seeded, SHAPE)
     pool = FakePool()
     hq, d = SHAPE.num_q_heads, SHAPE.head_dim
     pool.append(0, 90), pool.append(1, 12)

@@ -33,6 +33,7 @@ from sgl_spec.sparse.slots import BufferSpec
 
 SHAPE = AttnShape(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=16)
 CFG = DecodeConfig(budget=8, sink=2, window=4, nd=16, first_select_step=16, min_context=32)
+SEEDED = dataclasses.replace(CFG, mode="loopserve", prompt_seed=True)
 POLICIES = ("streaming", "snapkv", "loopserve", "specontext")
 
 
@@ -459,7 +460,7 @@ def test_loopserve_prompt_seed_attends_the_prompts_selection_from_step_0():
     """Seeded at prefill (its last queries per layer), a long prompt's steps before
     the first selection attend what those queries select, as reselect scores; the
     decoded queries then reselect at first_select_step as before."""
-    pol = get_policy("loopserve", CFG, SHAPE)
+    pol = get_policy("loopserve", SEEDED, SHAPE)
     assert pol.scores_prompt() and pol.prefill_window == CFG.window
     dirs = unit_dirs(3)
     keys = [noise_keys(300, 20 + layer) for layer in range(SHAPE.num_layers)]
@@ -491,9 +492,8 @@ def test_loopserve_prompt_seed_attends_the_prompts_selection_from_step_0():
 
 
 def test_loopserve_prompt_seed_off_or_short_prompt_keeps_the_dense_start():
-    off = get_policy("loopserve", dataclasses.replace(CFG, prompt_seed=False), SHAPE)
-    assert not off.scores_prompt()
-    pol = get_policy("loopserve", CFG, SHAPE)
+    assert not get_policy("loopserve", CFG, SHAPE).scores_prompt()  # off by default
+    pol = get_policy("loopserve", SEEDED, SHAPE)
     pol.start("short", 20)  # < min_context: nothing to select from
     for layer in range(SHAPE.num_layers):
         pol.prefill_layer("short", layer, torch.randn(CFG.nd, 6, 16), noise_keys(20, layer))
@@ -501,8 +501,10 @@ def test_loopserve_prompt_seed_off_or_short_prompt_keeps_the_dense_start():
     assert row.kind == Kind.OBSERVE and not sels  # dense until a selection from decode
     with pytest.raises(ValueError, match="do not fit prompt_len"):
         pol.prefill_layer("short", 0, torch.randn(21, 6, 16), noise_keys(20, 0))
-    with pytest.raises(TypeError, match="prompt_seed"):
-        dataclasses.replace(CFG, prompt_seed="yes")
+    with pytest.raises(ValueError, match="--spec-prompt-seed 'yes' is invalid"):
+        dataclasses.replace(SEEDED, prompt_seed="yes")
+    with pytest.raises(ValueError, match="read only with --spec-mode loopserve"):
+        DecodeConfig(mode="snapkv", prompt_seed=True)
 
 
 def test_loopserve_short_history_stays_exact():

@@ -22,8 +22,8 @@ the ratios of ``RATIOS``) and ``decode_speed.png``.
 Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only a
 row's own flags differ; loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters
 (``sparse_counters``, read before and after each point) say how many request-steps
-attended a sparse subset. LoopServe's steps over a long prompt are sparse from the first
-(the prompt's seed); below ``--spec-min-context`` they are exact. Every sgl_spec row also reports
+attended a sparse subset. LoopServe decodes exactly before its first selection (step
+16; from the first step with ``--spec-prompt-seed``) and below ``--spec-min-context``. Every sgl_spec row also reports
 ``sgl_spec:decode_pass_seconds`` by path ("Decode pass time by path": the mean pass, and
 sparse and reselect passes over the same server's exact pass, free of the drift between
 server starts).
@@ -47,6 +47,7 @@ from sgl_spec.bench.server import flush_cache
 STOCK = "stock"
 EXACT = "sgl_spec exact"
 LOOPSERVE = "loopserve B=1024"
+LOOPSERVE_SEED = "loopserve B=1024 seeded"
 PREFILL = "loopserve-prefill a=0.97"
 SNAPKV = "snapkv B=1024"
 STREAMING = "streaming B=1024"
@@ -56,6 +57,9 @@ CONFIGS: tuple[ServerConfig, ...] = (
     ServerConfig(STOCK, "stock"),
     ServerConfig(EXACT, "sgl_spec", ("--spec-mode", "exact")),
     ServerConfig(LOOPSERVE, "sgl_spec", ("--spec-mode", "loopserve", "--spec-budget", "1024")),
+    # Its steps before the first selection on the prompt's seed, not dense.
+    ServerConfig(LOOPSERVE_SEED, "sgl_spec", ("--spec-mode", "loopserve", "--spec-budget",
+                                              "1024", "--spec-prompt-seed")),
     # Exact decode after a sparse prefill (histories >= 2048 are prefilled on the
     # lines): its decode must run as fast as sgl_spec exact's.
     ServerConfig(PREFILL, "sgl_spec",
@@ -72,10 +76,12 @@ CONFIGS: tuple[ServerConfig, ...] = (
                                                  "1024", "--spec-prefetch", "thread")),
 )
 KEEP: tuple[str, ...] = (EXACT,)  # always run, whatever --rows says
-SPARSE_ROWS: tuple[str, ...] = (LOOPSERVE, SNAPKV, STREAMING, SPECONTEXT, SPECONTEXT_THREAD)
+SPARSE_ROWS: tuple[str, ...] = (LOOPSERVE, LOOPSERVE_SEED, SNAPKV, STREAMING, SPECONTEXT,
+                                SPECONTEXT_THREAD)
 RATIOS: tuple[tuple[str, str], ...] = (
     *((row, base) for row in SPARSE_ROWS for base in (STOCK, EXACT)),
-    (SPECONTEXT, LOOPSERVE), (SPECONTEXT_THREAD, SPECONTEXT), (EXACT, STOCK), (PREFILL, EXACT))
+    (LOOPSERVE_SEED, LOOPSERVE), (SPECONTEXT, LOOPSERVE), (SPECONTEXT_THREAD, SPECONTEXT),
+    (EXACT, STOCK), (PREFILL, EXACT))
 # Rows whose per-start ratios are tabulated against every other row's.
 START_BASELINES: tuple[str, ...] = (STOCK, EXACT)
 PNG = "decode_speed.png"

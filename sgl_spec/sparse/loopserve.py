@@ -13,7 +13,7 @@ token is kept before the decode reads it (a value after the subject the answer r
 issue 47). Its equal scores go to the earlier position, so a row selects alike in any
 batch.
 
-With ``prompt_seed`` (the default) a prompt of ``min_context`` tokens or more is scored
+With ``prompt_seed`` (``--spec-prompt-seed``, off by default) a prompt of ``min_context`` tokens or more is scored
 at the end of its prefill by its last ``window`` queries, as a decode selection scores
 the ring (``prefill_layer``; SnapKV's observation window): the steps before the first
 selection attend that seed's selection, as the paper's decode starts from what its
