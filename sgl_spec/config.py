@@ -84,8 +84,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--spec-prompt-seed", "decode", "prompt_seed", "bool",
          "loopserve: the decode steps before the first selection (step 16) attend what the "
          "prompt's last --spec-window queries select at the end of its prefill (scored as "
-         "a reselection scores), instead of the whole history: faster over long prompts, "
-         "and more answers differ from exact's (docs/sparse-decode.md)."),
+         "a reselection scores), instead of the whole history: no dense steps, and more "
+         "answers differ from exact's (docs/sparse-decode.md)."),
     Flag("--spec-min-context", "decode", "min_context", "int",
          "Sparse modes: histories shorter than this decode exactly (as do histories "
          "that budget + sink + window cover).", lo=0),

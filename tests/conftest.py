@@ -138,9 +138,9 @@ SMALL_BUDGET_MIN = 256  # the small-budget loopserve server's sparse decode and 
 
 def _small_budget_flags(model_path: str) -> list[str]:
     """LoopServe at a small budget (64, nd 16) from 256 tokens of history, seeded by the
-    prompt (--spec-prompt-seed), with --spec-sparse-kv-cache drop, and sparse prefill of extends from 256 new tokens: the
-    sparse-decode tests' long prompts and the abort storm's requests take both paths,
-    their short probes neither."""
+    prompt (--spec-prompt-seed), with --spec-sparse-kv-cache drop, and sparse prefill of
+    extends from 256 new tokens: the sparse-decode tests' long prompts and the abort
+    storm's requests take both paths, their short probes neither."""
     return ["--model-path", model_path, *COMMON_FLAGS, *SPEC_CHECKS, *SPARSE_ALWAYS,
             "--spec-mode", "loopserve", "--spec-budget", "64", "--spec-prompt-seed",
             "--spec-min-context", str(SMALL_BUDGET_MIN), "--enable-metrics",

@@ -23,10 +23,10 @@ Every server gets ``--enable-metrics`` (``configset.COMMON_FLAGS``) so that only
 row's own flags differ; loopserve's ``sgl_spec:decode_steps_total{path=...}`` counters
 (``sparse_counters``, read before and after each point) say how many request-steps
 attended a sparse subset. LoopServe decodes exactly before its first selection (step
-16; from the first step with ``--spec-prompt-seed``) and below ``--spec-min-context``. Every sgl_spec row also reports
-``sgl_spec:decode_pass_seconds`` by path ("Decode pass time by path": the mean pass, and
-sparse and reselect passes over the same server's exact pass, free of the drift between
-server starts).
+16; sparse from the first step with ``--spec-prompt-seed``) and below
+``--spec-min-context``. Every sgl_spec row also reports ``sgl_spec:decode_pass_seconds``
+by path ("Decode pass time by path": the mean pass, and sparse and reselect passes over
+the same server's exact pass, free of the drift between server starts).
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ RATIOS: tuple[tuple[str, str], ...] = (
 START_BASELINES: tuple[str, ...] = (STOCK, EXACT)
 PNG = "decode_speed.png"
 # Tokens after the LATE_FROM-th: past loopserve's first selection from decoded queries
-# (decode step 16, the 17th token), the rate a long generation settles at; reported beside the rate
-# over all N - 1 decode steps, which the ratios use.
+# (decode step 16, the 17th token), the rate a long generation settles at; reported beside
+# the rate over all N - 1 decode steps, which the ratios use.
 LATE_FROM = 17
 
 

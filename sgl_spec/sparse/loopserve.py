@@ -13,11 +13,11 @@ token is kept before the decode reads it (a value after the subject the answer r
 issue 47). Its equal scores go to the earlier position, so a row selects alike in any
 batch.
 
-With ``prompt_seed`` (``--spec-prompt-seed``, off by default) a prompt of ``min_context`` tokens or more is scored
-at the end of its prefill by its last ``window`` queries, as a decode selection scores
-the ring (``prefill_layer``; SnapKV's observation window): the steps before the first
-selection attend that seed's selection, as the paper's decode starts from what its
-prefill selected (Sec 5.3), instead of attending densely.
+With ``prompt_seed`` (``--spec-prompt-seed``, off by default) a prompt of ``min_context``
+tokens or more is scored at the end of its prefill by its last ``window`` queries, as a
+decode selection scores the ring (``prefill_layer``; SnapKV's observation window): the
+steps before the first selection attend that seed's selection, as the paper's decode
+starts from what its prefill selected (Sec 5.3), instead of attending densely.
 
 The current step's query is in the ring when it selects (Algorithm 3 observes
 ``X_i[|X_i| - n_d : |X_i|]``, the current token included). A selection fixes
