@@ -29,7 +29,9 @@ STOCK = "sglang.launch_server"
 SPEC = "sgl_spec.launch_server"
 
 
-_LOWEST_PORT = 20000
+# Below sglang's own range for the ports its children bind later (22000-29999, the
+# TCPStore's nccl_port): one server's store must not take another's HTTP port.
+_LOWEST_PORT, _HIGHEST_PORT = 10000, 22000
 
 
 def _ephemeral_start() -> int:
@@ -42,11 +44,12 @@ def _ephemeral_start() -> int:
 
 
 def free_port() -> int:
-    """A free TCP port below the kernel's ephemeral range. A server binds it only after
-    loading (minutes on this CPU), and meanwhile a port of that range can become the
-    source port of any outgoing connection (the health checks of servers booting
-    together), which fails the bind ("address already in use")."""
-    top = _ephemeral_start()
+    """A free TCP port below the kernel's ephemeral range and below sglang's range for
+    its late-bound ports. A server binds it only after loading (minutes on this CPU),
+    and meanwhile a port of either range can be taken (as the source port of an
+    outgoing connection, or by another server's TCPStore), which fails the bind
+    ("address already in use"); ``ServerProcess.start`` retries then."""
+    top = min(_ephemeral_start(), _HIGHEST_PORT)
     if top - _LOWEST_PORT >= 1000:
         rng = random.Random()
         for _ in range(100):
@@ -125,11 +128,18 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "ServerProcess":
-        """Launch (unless ``launch`` already did) and wait until healthy."""
+    def start(self, retries: int = 2) -> "ServerProcess":
+        """Launch (unless ``launch`` already did) and wait until healthy; a server whose
+        port was taken while it loaded is launched again on another port."""
         if self.proc is None:
             self.launch()
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except ServerStartError:
+            if not (retries and self._lost_port()):
+                raise
+            self.port, self.log_path, self.proc = 0, None, None
+            return self.start(retries - 1)
         threading.Thread(target=self._sample_memory, daemon=True).start()
         return self
 
@@ -154,6 +164,15 @@ class ServerProcess:
                 preexec_fn=_die_with_parent,
             )
         return self
+
+    def _lost_port(self) -> bool:
+        """Did the server fail to bind its port (taken by another process meanwhile)?"""
+        try:
+            with open(self.log_path) as f:
+                log = f.read()
+        except OSError:
+            return False
+        return f"{self.port}): address already in use" in log
 
     def _prepare_head(self) -> None:
         """A specontext server without --spec-draft-path trains its model's head on its
