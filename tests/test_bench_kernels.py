@@ -66,10 +66,12 @@ def test_reselect_bench_ratio_is_reselect_over_nd_dense_steps(tmp_path):
         assert r["nd_dense_steps_ms"] == pytest.approx(4 * r["dense_step_ms"])
         assert r["ratio"] == pytest.approx(r["reselect_ms"] / r["nd_dense_steps_ms"])
     p = res["parts"]
-    calls = ("gather_ms", "score_history_ms", "look_ahead_ms", "select_topk_ms")
+    calls = ("gather_ms", "score_history_ms", "select_ms")
+    torch_calls = ("gather_ms", "score_history_torch_ms", "look_ahead_ms", "select_topk_ms")
     assert p["sum_ms"] == pytest.approx(sum(p[k] for k in calls))
-    assert all(p[k] > 0 for k in (*calls, "logits_matmul_fp32_ms", "logits_matmul_bf16_ms",
-                                  "layers_batched_look_ahead_select_ms"))
+    assert p["torch_sum_ms"] == pytest.approx(sum(p[k] for k in torch_calls))
+    assert all(p[k] > 0 for k in (*calls, *torch_calls, "logits_matmul_fp32_ms",
+                                  "logits_matmul_bf16_ms", "layers_batched_look_ahead_select_ms"))
     out = tmp_path / "r.json"
     reselect.main(["--seq-len", "256", "--nd", "4", "--budget", "32", "--num-q-heads", "4",
                    "--num-kv-heads", "2", "--head-dim", "16", "--repeats", "1",

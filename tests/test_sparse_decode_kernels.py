@@ -32,9 +32,12 @@ from sgl_spec.kernels.sparse_decode import (  # noqa: E402
     default_impl,
     dense_subsets,
     head_logits,
+    history_mass,
+    select_top,
     sparse_decode,
 )
 from sgl_spec.kernels.sparse_decode import cpu_impl  # noqa: E402
+from sgl_spec.sparse.scoring import score_history, select  # noqa: E402
 from sgl_spec.kernels.sparse_decode.flashinfer_impl import (  # noqa: E402
     build_pages,
     fill_selected,
@@ -398,6 +401,64 @@ def test_head_logits_kernel_declines_or_rejects():
     with pytest.raises(RuntimeError, match="n_keys <= N"):
         mod.head_scores(torch.zeros(1, 2, 64), torch.zeros(8, 1, 64), r2t, one,
                         torch.tensor([6]), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("d,group,n_q", [(64, 3, 16), (32, 1, 5), (128, 8, 3), (64, 7, 64)])
+def test_history_mass_kernel_matches_the_torch_path(dtype, d, group, n_q):
+    """LoopServe's and SnapKV's scoring in C++ equals the torch path (itself checked
+    against a float64 softmax in test_sparse_policies) for every instantiated head size,
+    16-bit and fp32 keys, query slots not a multiple of 8, ragged rows whose padding is
+    never read, unfilled ring entries (-1), causal queries, and chunk edges crossed."""
+    g = torch.Generator().manual_seed(d + group + n_q)
+    hkv, big_n = 2, 1100
+    keys = torch.randn(3, big_n, hkv, d, generator=g).to(dtype)
+    lens = torch.tensor([big_n, 300, 257])
+    keys[1, 300:] = float("nan")  # padding: never read into a score
+    keys[2, 257:] = float("nan")
+    q = torch.randn(3, n_q, hkv * group, d, generator=g)
+    q_pos = (lens[:, None] - n_q + torch.arange(n_q)).clamp(min=-1)
+    q_pos[0, 0] = -1  # an unfilled ring entry
+    got = history_mass(q, keys, d**-0.5, q_pos, lens)
+    assert got is not None and got.shape == (3, hkv, big_n) and not torch.isnan(got).any()
+    want = score_history(q, keys.float().nan_to_num(), d**-0.5, q_pos, lens, impl="torch")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert bool((got[1, :, 300:] == 0).all()) and bool((got[2, :, 257:] == 0).all())
+    # Each used query head pays a total mass of 1.
+    used = (q_pos >= 0).sum(dim=1) * group * hkv
+    torch.testing.assert_close(got.sum(dim=(1, 2)), used.float(), rtol=1e-4, atol=1e-4)
+    assert torch.equal(score_history(q, keys, d**-0.5, q_pos, lens), got)  # auto: the kernel
+
+
+@pytest.mark.parametrize("width", [0, 1, 16])
+def test_select_top_kernel_equals_look_ahead_and_topk(width):
+    """The selection in C++ (look-ahead, then the top B of [lo, hi), earlier positions
+    first among ties) equals torch's look_ahead + select_topk(first_of_ties) exactly,
+    on scores with plateaus (ties at the budget's edge) and on random scores, for rows
+    with their own sink end and window start; too few candidates are refused."""
+    g = torch.Generator().manual_seed(width)
+    plateaus = torch.randint(0, 6, (2, 3, 900), generator=g).float()
+    random = torch.rand(2, 3, 900, generator=g)
+    lo, hi = torch.tensor([4, 0]), torch.tensor([836, 600])
+    for scores in (plateaus, random):
+        got = select_top(scores, lo, hi, 200, width)
+        want = select(scores, 200, lo, hi, width, impl="torch")
+        assert got is not None and torch.equal(got, want)
+        assert torch.equal(select(scores, 200, lo, hi, width), got)  # auto: the kernel
+    with pytest.raises(RuntimeError, match="candidates"):
+        cpu_impl.load_kernel().select_top(random, lo, torch.tensor([100, 600]), 200, width)
+
+
+def test_scoring_kernels_decline_what_they_are_not_built_for():
+    """Head sizes without an instance and non-CPU-float inputs fall back (None) to the
+    torch path."""
+    q, k = torch.zeros(1, 2, 3, 48), torch.zeros(1, 10, 1, 48)
+    assert history_mass(q, k, 1.0, None, None) is None
+    assert score_history(q, k, 1.0).shape == (1, 1, 10)  # the torch path
+    assert history_mass(q[..., :32], k.double()[..., :32], 1.0, None, None) is None
+    assert select_top(torch.zeros(1, 1, 8).double(), torch.tensor([0]), torch.tensor([8]),
+                      2, 0) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -26,6 +26,9 @@ Triton launch on a GPU, from the device pool or a layer pinned in host memory
 ``head_logits(q, keys, req_to_token, rows, n_keys, n)`` scores the retrieval head's
 keys in the pool with its queries, reading them in place (SpeContext's selection;
 ``reference.head_logits_reference``); None where the C++ kernel cannot take the call.
+``history_mass(q, keys, scale, q_pos, k_len)`` and ``select_top(scores, lo, hi, budget,
+width)`` are LoopServe's and SnapKV's scoring and selection in the C++ kernel (the torch
+path and reference: ``sgl_spec.sparse.scoring``); None where it cannot take the call.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ _IMPLS = {
 IMPLS = tuple(_IMPLS)
 
 __all__ = ["IMPLS", "DecodeSubsets", "check_inputs", "copy_rows", "default_impl",
-           "dense_subsets", "head_logits", "sparse_decode", "subset_positions", "take_rows"]
+           "dense_subsets", "head_logits", "history_mass", "select_top", "sparse_decode",
+           "subset_positions", "take_rows"]
 
 # Every implementation is ``fn(q, k_buf, v_buf, subsets, dims, *, scale, out)``: inputs
 # checked and ``out`` allocated by ``sparse_decode``, which is the entry point.
@@ -146,6 +150,59 @@ def head_logits(q: torch.Tensor, keys: torch.Tensor, req_to_token: torch.Tensor,
         return None
     return mod.head_scores(q.float().contiguous(), keys, req_to_token.int(),
                            rows.long().contiguous(), n_keys.long().contiguous(), n)
+
+
+def history_mass(q: torch.Tensor, keys: torch.Tensor, scale: float,
+                 q_pos: torch.Tensor | None, k_len: torch.Tensor | None) -> torch.Tensor | None:
+    """``[R, Hkv, N]`` fp32: the attention each key of ``keys`` ``[R, N, Hkv, D]`` gets
+    from the queries ``q`` ``[R, n, Hq, D]`` (``sgl_spec.sparse.scoring.score_history``'s
+    contract), by the C++ kernel, which reads each key once; None where it cannot take
+    the call."""
+    from .cpu_impl import load_kernel
+
+    rows, n, hq, d = q.shape
+    big_n, hkv = keys.shape[1], keys.shape[2]
+    if (q.device.type != "cpu" or keys.device.type != "cpu" or keys.stride(-1) != 1
+            or d not in (32, 64, 128) or hq % hkv
+            or keys.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        return None
+    mod = load_kernel()
+    if mod is None or not hasattr(mod, "history_mass"):
+        return None
+    g = hq // hkv
+    # Slots (query, head of the group) per KV head, padded to a multiple of 8 with slots
+    # that see nothing; each sees the keys up to its query's position and the row's end.
+    slots = n * g
+    pad = -slots % 8
+    qg = (q.float() * scale).reshape(rows, n, hkv, g, d).permute(0, 2, 1, 3, 4)
+    qg = qg.reshape(rows, hkv, slots, d)
+    if pad:
+        qg = torch.cat([qg, qg.new_zeros(rows, hkv, pad, d)], dim=2)
+    lim = torch.full((rows, n), big_n, dtype=torch.int64)
+    if q_pos is not None:
+        lim = torch.where(q_pos.cpu() >= 0, q_pos.cpu() + 1, 0).clamp_(max=big_n)
+    if k_len is not None:
+        lim = lim.minimum(k_len.cpu()[:, None])
+    lim = lim.repeat_interleave(g, dim=1)
+    if pad:
+        lim = torch.cat([lim, lim.new_zeros(rows, pad)], dim=1)
+    return mod.history_mass(qg.contiguous(), keys, lim.contiguous(), big_n)
+
+
+def select_top(scores: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, budget: int,
+               width: int) -> torch.Tensor | None:
+    """``[R, Hkv, budget]`` int64 ascending: ``sgl_spec.sparse.scoring``'s ``look_ahead``
+    (``width``) then ``select_topk(first_of_ties=True)`` in one C++ call; None where the
+    kernel cannot take it."""
+    from .cpu_impl import load_kernel
+
+    if scores.device.type != "cpu" or scores.dtype != torch.float32:
+        return None
+    mod = load_kernel()
+    if mod is None or not hasattr(mod, "select_top"):
+        return None
+    return mod.select_top(scores.contiguous(), lo.cpu().long().contiguous(),
+                          hi.cpu().long().contiguous(), budget, width)
 
 
 _FNS: dict[str, object] = {}

@@ -15,10 +15,11 @@ reselect / (n_d x dense step); below 1 means reselection is cheaper. Times are
 CPU by default.
 
 ``parts`` splits the served reselection (keys gathered from the pool) into its calls:
-the gather, ``score_history`` (and, inside it, the logits' matmul alone: in fp32 as a CPU
-scores, and in bfloat16 on bfloat16 operands as a GPU does), ``look_ahead`` and
-``select_topk``; and ``look_ahead`` + ``select_topk`` made once for ``--layers`` layers'
-scores together, per layer: what a reselection batched over the layers would pay.
+the gather, ``score_history`` and ``select`` as served (the C++ kernel on a CPU), and
+beside them the torch path: ``score_history(impl="torch")`` (and, inside it, the logits'
+matmul alone: in fp32 as a CPU scores, and in bfloat16 on bfloat16 operands as a GPU
+does), ``look_ahead`` and ``select_topk``; and ``look_ahead`` + ``select_topk`` made once
+for ``--layers`` layers' scores together, per layer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sgl_spec.bench import cli
 from sgl_spec.bench.timing import median_s
 from sgl_spec.kernels.sparse_decode import dense_subsets, sparse_decode
 from sgl_spec.config import DecodeConfig
-from sgl_spec.sparse.scoring import Scratch, look_ahead, score_history, select_topk
+from sgl_spec.sparse.scoring import Scratch, look_ahead, score_history, select, select_topk
 
 WARMUP = 3  # untimed calls before each median
 
@@ -57,9 +58,9 @@ def run(
 
     scratch = Scratch()
 
-    def reselect(keys):
-        mass = look_ahead(score_history(ring, keys, scale, q_pos, scratch=scratch), lookahead, lo)
-        return select_topk(mass, budget, lo, hi, first_of_ties=lookahead > 0)
+    def reselect(keys):  # as LoopServePolicy._select
+        return select(score_history(ring, keys, scale, q_pos, scratch=scratch), budget, lo, hi,
+                      lookahead)
 
     def dense_step():
         return sparse_decode(q1, k_buf, v_buf, dense, scale=scale)
@@ -114,6 +115,9 @@ def _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers, 
         "gather_ms": ms(lambda: k_buf.index_select(0, slots)),
         "score_history_ms": ms(lambda: score_history(ring, keys, scale, q_pos,
                                                      scratch=scratch)),
+        "select_ms": ms(lambda: select(mass, budget, lo, hi, lookahead)),
+        "score_history_torch_ms": ms(lambda: score_history(ring, keys, scale, q_pos,
+                                                           scratch=scratch, impl="torch")),
         "logits_matmul_fp32_ms": ms(lambda: torch.bmm(q, kh.transpose(1, 2))),
         "logits_matmul_bf16_ms": ms(lambda: torch.bmm(qb, khb.transpose(1, 2))),
         "look_ahead_ms": ms(lambda: look_ahead(mass, lookahead, lo)),
@@ -123,8 +127,9 @@ def _parts(ring, k_buf, slots, scale, q_pos, lo, hi, budget, lookahead, layers, 
             lambda: select_topk(look_ahead(many, lookahead, lo_l), budget, lo_l, hi_l,
                                 first_of_ties=lookahead > 0), per=layers),
     }
-    out["sum_ms"] = sum(out[k] for k in ("gather_ms", "score_history_ms", "look_ahead_ms",
-                                         "select_topk_ms"))
+    out["sum_ms"] = sum(out[k] for k in ("gather_ms", "score_history_ms", "select_ms"))
+    out["torch_sum_ms"] = sum(out[k] for k in ("gather_ms", "score_history_torch_ms",
+                                               "look_ahead_ms", "select_topk_ms"))
     out["keys"] = n
     return out
 
@@ -173,10 +178,12 @@ def main(argv: list[str] | None = None) -> None:
     p = res["parts"]
     print("\nthe served reselection's calls, ms per layer (keys gathered from the pool):")
     for key, label in (("gather_ms", "gather"), ("score_history_ms", "score_history"),
+                       ("select_ms", "select (look-ahead and top-B)"), ("sum_ms", "sum"),
+                       ("score_history_torch_ms", "the torch path: score_history"),
                        ("logits_matmul_fp32_ms", "  its logits matmul, fp32"),
                        ("logits_matmul_bf16_ms", "  the same in bfloat16"),
-                       ("look_ahead_ms", "look_ahead"), ("select_topk_ms", "select_topk"),
-                       ("sum_ms", "sum"),
+                       ("look_ahead_ms", "  look_ahead"), ("select_topk_ms", "  select_topk"),
+                       ("torch_sum_ms", "  sum, with the gather"),
                        ("layers_batched_look_ahead_select_ms",
                         f"look_ahead + select_topk, {c['layers']} layers in one call")):
         print(f"  {label:48} {p[key]:8.3f}")

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .policy import Kind, ReselectBatch, RequestState, RowStep, SelectionPolicy
-from .scoring import Scratch, look_ahead, score_history, select_topk
+from .scoring import Scratch, score_history, select
 from .slots import BufferSpec
 
 
@@ -131,7 +131,5 @@ class LoopServePolicy(SelectionPolicy):
         ``batch.q_pos`` and store each KV head's top B (Eq. 7, with the look-ahead)."""
         scores = score_history(q, keys, self.shape.sm_scale, batch.q_pos,
                                batch.seq_lens, self.scratch)  # [R, Hkv, N]
-        scores = look_ahead(scores, self.cfg.lookahead, batch.lo)
-        sel = select_topk(scores, self.cfg.budget, batch.lo, batch.hi,
-                          first_of_ties=self.cfg.lookahead > 0)
+        sel = select(scores, self.cfg.budget, batch.lo, batch.hi, self.cfg.lookahead)
         self.slots.write("sel", layer, batch.slots, sel)

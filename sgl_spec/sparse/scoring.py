@@ -1,8 +1,11 @@
 """Attention-mass scoring of history positions and top-B selection, batched over rows.
 
 Shared by SnapKV (prompt-window queries, once) and LoopServe (ring of the last n_d
-decoded queries, every n_d steps). Scoring is one batched matmul per layer over all
-rows, queries and heads at once: each layer's keys are read once.
+decoded queries, every n_d steps). On a CPU ``score_history`` and ``select`` run the C++
+kernel (``sgl_spec.kernels.sparse_decode.history_mass`` and ``select_top``: each key read
+once, the softmax kept per chunk of keys, no logits matrix written out); elsewhere, and as
+the kernel's reference (``impl="torch"``), one batched matmul per layer over all rows,
+queries and heads, then torch's softmax, sums and top-k.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from sgl_spec.kernels.sparse_decode import history_mass, select_top
+
 POOL_KINDS = ("avg", "max", "none")
+IMPLS = ("auto", "torch")  # auto: the C++ kernel where it takes the call
 
 
 class Scratch:
@@ -47,7 +53,8 @@ def score_history(
     scale: float,
     q_pos: torch.Tensor | None = None,  # [R, n] int64 positions of the queries; -1: unused
     k_len: torch.Tensor | None = None,  # [R] int64 keys per row (padding after); None: N
-    scratch: Scratch | None = None,  # reused buffers (None: allocate per call)
+    scratch: Scratch | None = None,  # reused buffers of the torch path (None: per call)
+    impl: str = "auto",
 ) -> torch.Tensor:  # [R, Hkv, N] fp32, on k's device
     """Attention each history position receives from the observation queries.
 
@@ -57,6 +64,14 @@ def score_history(
     group pays a position). Eq. 7 of LoopServe (Sec 5.3) per KV head. A query with
     position -1 (an unfilled ring entry) contributes nothing; padded keys score 0.
     """
+    if impl not in IMPLS:
+        raise ValueError(f"scoring impl {impl!r} is invalid; valid: {', '.join(IMPLS)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}")
+    if impl == "auto":
+        out = history_mass(q, k, scale, q_pos, k_len)
+        if out is not None:
+            return out
     rows, n, hq, d = q.shape
     _, big_n, hkv, dk = k.shape
     if dk != d or hq % hkv or k.shape[0] != rows:
@@ -147,6 +162,25 @@ def look_ahead(
     x = x.reshape(-1, 1, x.shape[-1])
     x = F.max_pool1d(F.pad(x, (width, 0), value=0.0), width + 1, stride=1)
     return scores + x.view(scores.shape)
+
+
+def select(
+    scores: torch.Tensor,  # [R, Hkv, N] fp32, a history's attention mass
+    budget: int,
+    lo: torch.Tensor,  # [R] int64: the sink's end
+    hi: torch.Tensor,  # [R] int64: the recent window's start
+    width: int = 0,  # look_ahead's
+    impl: str = "auto",
+) -> torch.Tensor:  # [R, Hkv, budget] int64 positions, ascending
+    """``look_ahead(scores, width, lo)`` then ``select_topk(..., first_of_ties=True)``:
+    one C++ call on a CPU (``impl="auto"``), those two elsewhere."""
+    if impl not in IMPLS:
+        raise ValueError(f"scoring impl {impl!r} is invalid; valid: {', '.join(IMPLS)}")
+    if impl == "auto" and bool(((hi - lo) >= budget).all()):
+        out = select_top(scores, lo, hi, budget, max(width, 0))
+        if out is not None:
+            return out.to(scores.device)
+    return select_topk(look_ahead(scores, width, lo), budget, lo, hi, first_of_ties=True)
 
 
 def select_topk(

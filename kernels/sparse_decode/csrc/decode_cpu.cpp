@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -194,6 +195,113 @@ using RunFn = void (*)(const float*, const Pools&, const Subsets&, int64_t, int6
 // The retrieval head's logits (SpeContext): for row r, KV head h and query head g of its
 // group, out[r, h, g, j] = q[r, h * G + g] . keys[slot(r, j), h] for positions j < n_r,
 // -inf for n_r <= j < N. Work items are (r, h, chunk of CHUNK positions).
+// Attention mass of each history position (LoopServe's Eq. 7, SnapKV's window score;
+// reference: sgl_spec.sparse.scoring.score_history's torch path). For row r and KV head
+// h, query slot i of q[r, h] (an observation query and query head of h's group) sees the
+// keys j < lim[r, i]; out[r, h, j] = sum_i softmax_i(j), the softmax over what i sees.
+// Work items are (r, h, chunk of CHUNK keys): the chunk's logits for every query slot
+// (QG at a time), their exponentials against the chunk's own max, kept with that max and
+// their sum; then per (r, h) the chunks' maxima and sums give each (chunk, slot) its
+// weight, and each item sums its kept exponentials by those weights. The keys are read
+// once, in place (bf16/fp16 converted in registers); no logits matrix is written out.
+constexpr int QG = 8;  // query slots scored per pass over a chunk's keys
+
+template <int D, int KIND>
+void mass(const float* q, int64_t nq, const void* keys, int64_t ks0, int64_t ks1, int64_t ks2,
+          const int64_t* lim, int64_t R, int64_t hkv, int64_t N, float* out) {
+  const int64_t nc = (N + CHUNK - 1) / CHUNK, items = R * hkv * nc;
+  std::vector<float> pm(items * nq, NEG_INF), pl(items * nq, 0.f), e(items * nq * CHUNK);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> krow(CHUNK + 2 * W);
+    std::vector<float> s(QG * (CHUNK + W));
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t c = it % nc, rh = it / nc, h = rh % hkv, r = rh / hkv;
+      const int64_t j0 = c * CHUNK, m = std::min(N, j0 + CHUNK) - j0;
+      const int64_t* lr = lim + r * nq;
+      int64_t seen = 0;  // keys of the chunk some slot sees
+      for (int64_t i = 0; i < nq; ++i) seen = std::max(seen, std::min(m, lr[i] - j0));
+      if (seen <= 0) continue;
+      for (int64_t j = 0; j < seen; ++j) krow[j] = r * ks0 + (j0 + j) * ks1 + h * ks2;
+      const int64_t mp = (seen + W - 1) / W * W;
+      for (int64_t j = seen; j < mp + W; ++j) krow[j] = krow[seen - 1];
+      for (int64_t g0 = 0; g0 < nq; g0 += QG) {
+        vf qv[QG][D / W];
+        const float* qb = q + (rh * nq + g0) * D;
+        for (int g = 0; g < QG; ++g)
+          for (int u = 0; u < D / W; ++u) qv[g][u] = ld(qb + g * D + u * W);
+        for (int64_t t0 = 0; t0 < mp; t0 += W)
+          score_block<D, QG, KIND>(qv, keys, krow.data() + t0, s.data() + t0, CHUNK + W);
+        for (int g = 0; g < QG; ++g) {
+          const int64_t i = g0 + g, see = std::min(mp, lr[i] - j0);
+          if (see <= 0) continue;
+          float* sg = s.data() + g * (CHUNK + W);
+          for (int64_t j = see; j < mp; ++j) sg[j] = NEG_INF;
+          const RowExp x = exp_row(sg, mp);
+          pm[it * nq + i] = x.base;
+          pl[it * nq + i] = x.sum;
+          float* ei = e.data() + (it * nq + i) * CHUNK;
+          std::memcpy(ei, sg, std::min(m, mp) * sizeof(float));
+          std::fill(ei + std::min(m, mp), ei + m, 0.f);  // keys past what any slot sees
+        }
+      }
+    }
+  });
+  // Each (chunk, slot)'s weight: exp(chunk max - slot max) / the slot's whole sum.
+  std::vector<float> w(items * nq, 0.f);
+  for (int64_t rh = 0; rh < R * hkv; ++rh)
+    for (int64_t i = 0; i < nq; ++i) {
+      float mx = NEG_INF, total = 0.f;
+      for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, pm[(rh * nc + c) * nq + i]);
+      if (mx == NEG_INF) continue;
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t k = (rh * nc + c) * nq + i;
+        if (pl[k] > 0.f) total += pl[k] * std::exp(pm[k] - mx);
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t k = (rh * nc + c) * nq + i;
+        if (pl[k] > 0.f) w[k] = std::exp(pm[k] - mx) / total;
+      }
+    }
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t c = it % nc, rh = it / nc, j0 = c * CHUNK;
+      const int64_t m = std::min(N, j0 + CHUNK) - j0, mp = m / W * W;
+      float* o = out + rh * N + j0;
+      std::fill(o, o + m, 0.f);
+      for (int64_t i = 0; i < nq; ++i) {
+        const float wi = w[it * nq + i];
+        if (wi == 0.f) continue;
+        const float* ei = e.data() + (it * nq + i) * CHUNK;
+        const vf wv = splat(wi);
+        for (int64_t j = 0; j < mp; j += W) st(o + j, ld(o + j) + wv * ld(ei + j));
+        for (int64_t j = mp; j < m; ++j) o[j] += wi * ei[j];
+      }
+    }
+  });
+}
+
+using MassFn = void (*)(const float*, int64_t, const void*, int64_t, int64_t, int64_t,
+                        const int64_t*, int64_t, int64_t, int64_t, float*);
+
+template <int KIND>
+MassFn pick_mass_d(int64_t d) {
+  switch (d) {
+    case 32: return mass<32, KIND>;
+    case 64: return mass<64, KIND>;
+    case 128: return mass<128, KIND>;
+  }
+  return nullptr;
+}
+
+MassFn pick_mass(at::ScalarType t, int64_t d) {
+  switch (t) {
+    case at::kFloat: return pick_mass_d<F32>(d);
+    case at::kBFloat16: return pick_mass_d<BF16>(d);
+    case at::kHalf: return pick_mass_d<F16>(d);
+    default: return nullptr;
+  }
+}
+
 template <int D, int G, int KIND>
 void scores(const float* q, const void* keys, int64_t ks0, int64_t ks1, const int32_t* r2t,
             int64_t r2t_stride, const int64_t* rows, const int64_t* n_keys, int64_t R,
@@ -385,6 +493,88 @@ at::Tensor head_scores(at::Tensor q, at::Tensor keys, at::Tensor req_to_token, a
   return out;
 }
 
+// The attention mass of each history position (`mass` above). q [R, Hkv, NQ, D] fp32
+// (scaled, contiguous; NQ a multiple of 8, padding slots seeing nothing); keys [R, N', Hkv,
+// D] (fp32, bf16 or fp16, rows contiguous, N' >= N); lim [R, NQ] int64: the keys each slot
+// sees (0 <= lim <= N). Returns [R, Hkv, N] fp32.
+at::Tensor history_mass(at::Tensor q, at::Tensor keys, at::Tensor lim, int64_t N) {
+  for (const auto& t : {q, keys, lim})
+    TORCH_CHECK(t.device().is_cpu(), "history_mass: CPU tensors only");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == at::kFloat &&
+                  q.size(2) % QG == 0,
+              "history_mass: q must be a contiguous fp32 [R, Hkv, NQ, D], NQ a multiple of ", QG);
+  TORCH_CHECK(keys.dim() == 4 && keys.stride(3) == 1 && keys.size(0) == q.size(0) &&
+                  keys.size(2) == q.size(1) && keys.size(3) == q.size(3) && keys.size(1) >= N,
+              "history_mass: keys must be [R, >= N, Hkv, D] with contiguous rows");
+  TORCH_CHECK(lim.scalar_type() == at::kLong && lim.is_contiguous() && lim.dim() == 2 &&
+                  lim.size(0) == q.size(0) && lim.size(1) == q.size(2),
+              "history_mass: lim must be contiguous int64 [R, NQ]");
+  const int64_t R = q.size(0), hkv = q.size(1), nq = q.size(2), D = q.size(3);
+  const int64_t* lp = lim.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R * nq; ++i)
+    TORCH_CHECK(lp[i] >= 0 && lp[i] <= N, "history_mass: need 0 <= lim <= N, got ", lp[i]);
+  MassFn fn = pick_mass(keys.scalar_type(), D);
+  TORCH_CHECK(fn != nullptr, "history_mass: head_dim in {32, 64, 128} and fp32/bf16/fp16 keys, "
+              "got head_dim ", D, ", ", keys.scalar_type());
+  auto out = at::zeros({R, hkv, N}, q.options());
+  if (N > 0 && nq > 0)
+    fn(q.data_ptr<float>(), nq, keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
+       lp, R, hkv, N, out.data_ptr<float>());
+  return out;
+}
+
+// The top `budget` positions of [lo_r, hi_r) per row and KV head, ascending, by
+// scores[r, h, j] + (width > 0: the largest score among j - width .. j, the sink's
+// (j < lo_r) counted as 0); among equal scores the earlier positions win. Reference:
+// sgl_spec.sparse.scoring.look_ahead then select_topk(first_of_ties=True).
+at::Tensor select_top(at::Tensor scores, at::Tensor lo, at::Tensor hi, int64_t budget,
+                      int64_t width) {
+  TORCH_CHECK(scores.device().is_cpu() && scores.dim() == 3 && scores.is_contiguous() &&
+                  scores.scalar_type() == at::kFloat,
+              "select_top: scores must be a contiguous fp32 CPU [R, Hkv, N]");
+  for (const auto& t : {lo, hi})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                    t.dim() == 1 && t.size(0) == scores.size(0),
+                "select_top: lo and hi must be contiguous int64 [R]");
+  const int64_t R = scores.size(0), hkv = scores.size(1), N = scores.size(2);
+  const int64_t* lp = lo.data_ptr<int64_t>();
+  const int64_t* hp = hi.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(0 <= lp[r] && lp[r] <= hp[r] && hp[r] <= N && hp[r] - lp[r] >= budget &&
+                    budget >= 0,
+                "select_top: every row needs 0 <= lo <= hi <= N and >= ", budget,
+                " candidates, got [", lp[r], ", ", hp[r], ")");
+  auto out = at::empty({R, hkv, budget}, lo.options());
+  const float* sp = scores.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R * hkv, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> x, tmp;
+    for (int64_t rh = a; rh < z; ++rh) {
+      const int64_t r = rh / hkv, l = lp[r], n = hp[r] - l;
+      const float* row = sp + rh * N;
+      x.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = l + j;
+        float best = 0.f;
+        for (int64_t t = std::max<int64_t>(l, p - width); t <= p && width > 0; ++t)
+          best = std::max(best, row[t]);
+        x[j] = width > 0 ? row[p] + best : row[p];
+      }
+      int64_t* o = op + rh * budget;
+      if (budget == 0) continue;
+      tmp.assign(x.begin(), x.end());
+      std::nth_element(tmp.begin(), tmp.begin() + (budget - 1), tmp.end(), std::greater<float>());
+      const float thr = tmp[budget - 1];
+      int64_t above = 0;
+      for (int64_t j = 0; j < n; ++j) above += x[j] > thr;
+      int64_t ties = budget - above, k = 0;
+      for (int64_t j = 0; j < n && k < budget; ++j)
+        if (x[j] > thr || (x[j] == thr && ties-- > 0)) o[k++] = l + j;
+    }
+  });
+  return out;
+}
+
 // SpeContext's elastic loads of one layer (sgl_spec.sparse.elastic): for i < M,
 // stage_k.row(dst[i]) = pool_k.row(src[i]) and the same for V, a row being the last dim
 // (flat rows: slot * Hkv + h). One call replaces four torch ops (an index_select and an
@@ -429,6 +619,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "decode attention over KV subsets of a paged pool",
         py::call_guard<py::gil_scoped_release>());
   m.def("head_scores", &head_scores, "the retrieval head's logits over paged keys",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("history_mass", &history_mass, "attention mass of each history position",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("select_top", &select_top, "top-budget positions by score and look-ahead",
         py::call_guard<py::gil_scoped_release>());
   m.def("copy_rows", &copy_rows, "elastic loads: stage rows <- pool rows, K and V",
         py::call_guard<py::gil_scoped_release>());
